@@ -1,0 +1,89 @@
+"""Shared benchmark plumbing: medians from CUDA events, one JSON row per measured shape.
+
+Every micro-benchmark is a command (``python benchmarks/bench_<op>.py --json out.json``) that times our
+op and the stock op it replaces *in the same run* on the same inputs, and reports ours/stock of medians.
+No benchmark is ever asserted on in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import statistics
+import sys
+from typing import Callable
+
+import torch
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        return f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)"
+    return "cpu"
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 10, rep: int = 50) -> float:
+    """Median wall time of ``fn`` in milliseconds, timed with CUDA events around each call."""
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks need a CUDA device; nothing to measure on the CPU")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    # flush L2 between reps so weights/KV are not served from cache
+    flush = torch.empty(int(256e6) // 4, dtype=torch.int32, device="cuda")
+    times = []
+    for _ in range(rep):
+        flush.zero_()
+        s = torch.cuda.Event(enable_timing=True)
+        e = torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def row(op: str, shape: str, ours_ms: float, stock_ms: float, stock: str, **extra) -> dict:
+    r = {
+        "op": op,
+        "shape": shape,
+        "ours_ms": round(ours_ms, 5),
+        "stock_ms": round(stock_ms, 5),
+        "ratio": round(ours_ms / stock_ms, 4) if stock_ms > 0 else None,
+        "stock": stock,
+    }
+    r.update(extra)
+    print(f"{op:28s} {shape:38s} ours {ours_ms:9.4f} ms  stock {stock_ms:9.4f} ms  "
+          f"ratio {r['ratio']}  [{stock}]", flush=True)
+    return r
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", help="write results to this JSON file")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and reps (smoke run)")
+    return p
+
+
+def write(path: str | None, bench: str, rows: list[dict]) -> None:
+    doc = {
+        "bench": bench,
+        "device": device_name(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    try:
+        import triton
+
+        doc["triton"] = triton.__version__
+    except Exception:
+        pass
+    if path:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+    else:
+        json.dump(doc, sys.stdout, indent=1)

@@ -1,0 +1,110 @@
+"""Shared Triton plumbing: availability, launch options and exact-rounding casts.
+
+Two rules every zerodiff Triton kernel follows:
+
+* **FP fusion is pinned off.** FMA contraction changes bits and Triton's default is flipping between
+  releases (3.9 warns, 3.10 changes it). Every launch passes ``**LAUNCH_OPTS`` so the value never depends
+  on the installed Triton's default. Rollout and training import the same kernels, so both compile with
+  the same flags.
+* **Casts are round-to-nearest-even.** On the GPU the native fp32->bf16 and fp32->e4m3 (satfinite) casts
+  are RNE and match torch bit for bit (measured on the H200, DESIGN.md). Triton's CPU interpreter truncates
+  instead, so kernels take an ``EXACT_CASTS`` constexpr: when true they round with the integer helpers
+  below, which give the same bits as torch on every finite input. ``EXACT_CASTS`` defaults to
+  :data:`INTERPRET`, so the interpreter runs the emulation and the GPU runs the single instruction.
+"""
+
+from __future__ import annotations
+
+import os
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+try:  # Triton is optional: the reference backend runs without it.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+#: keyword arguments every zerodiff kernel launch passes (see module docstring).
+LAUNCH_OPTS = {"enable_fp_fusion": False}
+
+#: whether kernels should emulate RNE casts with integer ops (interpreter) or use native casts (GPU).
+EXACT_CASTS: bool = INTERPRET
+
+
+def require_triton() -> None:
+    """Raise a clear error when a Triton backend is requested but unusable here."""
+    if not HAVE_TRITON:
+        raise RuntimeError(
+            "zerodiff: the 'triton' backend was requested but Triton is not importable; "
+            "install triton or use backend='reference'"
+        )
+
+
+def triton_usable_for(device) -> bool:
+    """True when a Triton kernel can run on tensors living on ``device``."""
+    if not HAVE_TRITON:
+        return False
+    dev = str(device)
+    if dev.startswith("cuda"):
+        return not INTERPRET
+    return INTERPRET
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def f32_to_bf16_rne(x):
+        """fp32 -> bf16, round-to-nearest-even via integer ops (exact on the interpreter and the GPU)."""
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where(x != x, (u >> 16) | 0x40, r)  # NaN stays NaN (quiet bit set)
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def f32_to_e4m3_rne_sat_bits(x):
+        """fp32 -> float8_e4m3fn code (uint8), RNE, saturating to +-448 (inf too), NaN -> 0x7F|sign.
+
+        Same bits as torch's ``x.to(torch.float8_e4m3fn)`` on every fp32 input.
+        """
+        u = x.to(tl.uint32, bitcast=True)
+        sign = (u >> 24) & 0x80
+        a = u & 0x7FFFFFFF
+        is_nan = a > 0x7F800000
+        # saturate: anything >= 448 (incl. inf) -> 448 = 0x43E00000
+        a = tl.minimum(a, 0x43E00000)
+        e = a >> 23
+        # normal e4m3 range (|x| >= 2^-6, fp32 biased exponent >= 121): round mantissa at bit 20
+        rn = (a + 0x7FFFF + ((a >> 20) & 1)) >> 20
+        code_normal = rn - (120 << 3)
+        # subnormal e4m3 (|x| < 2^-6): m = RNE(|x| * 2^9) = RNE(M >> s), s = 141 - e
+        mant = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0)
+        s = tl.minimum(141 - e.to(tl.int32), 31).to(tl.uint32)
+        q = mant >> s
+        rem = mant - (q << s)
+        half = (tl.full(s.shape, 1, tl.uint32) << s) >> 1
+        up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+        code_sub = q + up.to(tl.uint32)
+        code = tl.where(e >= 121, code_normal, code_sub)
+        code = tl.where(is_nan, 0x7F, code)
+        return (code | sign).to(tl.uint8)
+
+    @triton.jit
+    def cast_bf16(x, EXACT: tl.constexpr):
+        """fp32 -> bf16 RNE: integer emulation when EXACT, the native cast otherwise."""
+        if EXACT:
+            return f32_to_bf16_rne(x)
+        else:
+            return x.to(tl.bfloat16)
+
+    @triton.jit
+    def cast_e4m3(x, EXACT: tl.constexpr):
+        """fp32 -> float8_e4m3fn RNE satfinite: emulated when EXACT, native otherwise."""
+        if EXACT:
+            return f32_to_e4m3_rne_sat_bits(x).to(tl.float8e4nv, bitcast=True)
+        else:
+            return x.to(tl.float8e4nv)

@@ -1,0 +1,1 @@
+"""Batch-invariant ops. Each module documents its numerical contract in its docstring."""
