@@ -1,0 +1,208 @@
+"""Deterministic Top-K for DSA indexer rows (k up to 2048 of 64K+) and MoE expert routing (k=8 of 256).
+
+Public API::
+
+    deterministic_topk(scores, k, lengths=None, *, return_scores=False, backend=None)
+        -> positions int32 [R, k]                      (return_scores=False)
+        -> (positions int32 [R, k], scores fp32 [R, k]) (return_scores=True)
+
+    topk_routing(scores, k, *, backend=None) -> (scores fp32 [T, k], ids int32 [T, k])
+        convenience for expert routing: the same selection, ids sorted by expert id DESCENDING.
+
+Numerical contract (identical to ``zerodiff.reference.topk``, which states it in full):
+
+* 64-bit key = (order-preserving map of the fp32 score bits << 32) | request-local position; the
+  ``min(k, candidates)`` largest keys are selected, so equal scores go to the LARGER position.
+* ``-0.0 == +0.0`` (position decides); ``-inf`` is a valid, lowest score; denormals are ordered values;
+  NaN is never selected (treated like a position past the row's length).
+* Output positions sorted DESCENDING, ``-1`` padding last (k > candidates, empty rows, all-NaN rows).
+  Returned scores are the input's bits at those positions, ``-inf`` on padding.
+* Positions never depend on the batch: no float arithmetic at all (integer keys, exact counts), one
+  program per row, and the chunk size / warp count are chosen from the row width W only.
+
+Kernel design (one kernel for prefill rows, decode rows and routing rows): one program per row. The k-th
+largest key is found by radix select on the 32 mapped score bits, 8 bits per pass (at most 4 passes,
+fewer when a pass already isolates the boundary exactly), each pass one ``tl.histogram`` per fixed-size
+chunk of the row. Ties at the threshold score are resolved by position while emitting: the row is scanned
+from its right end chunk by chunk and ``tl.cumsum`` gives each selected element its output slot, which
+yields the descending-position order without any sort. Rows with ``length <= k`` skip the radix passes
+(everything valid is selected). Only ``min(length, W)`` columns are read.
+
+Bad input raises ValueError naming the problem (see the reference). ``lengths`` values are checked on the
+host except while a CUDA graph is being captured (no host sync there); the kernel additionally clamps each
+length to ``[0, W]`` so a bad value can never read out of bounds.
+
+Backends: ``None`` -> Triton for CUDA tensors, the reference for CPU tensors; ``"triton"`` (CPU tensors
+run through Triton's interpreter: small shapes only); ``"reference"``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _triton as zt
+from ..reference.topk import check_inputs, deterministic_topk_ref
+
+__all__ = ["deterministic_topk", "topk_routing"]
+
+if zt.HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _row_keys(x, inb):
+        """Order-preserving uint32 keys of fp32 values and the candidate mask (in bounds and not NaN)."""
+        u = x.to(tl.uint32, bitcast=True)
+        u = tl.where(u == 0x80000000, 0, u)  # -0.0 -> +0.0
+        cand = inb & ((u & 0x7FFFFFFF) <= 0x7F800000)
+        neg = (u >> 31) == 1
+        m = tl.where(neg, u ^ 0xFFFFFFFF, u | 0x80000000)
+        return m, cand
+
+    @triton.jit
+    def _topk_kernel(s_ptr, len_ptr, out_ptr, osc_ptr, W, k, stride_r, stride_c,
+                     HAS_LEN: tl.constexpr, RET_SCORES: tl.constexpr, CHUNK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        if HAS_LEN:
+            L = tl.load(len_ptr + row).to(tl.int32)
+            L = tl.minimum(tl.maximum(L, 0), W)
+        else:
+            L = W + tl.zeros([], tl.int32)
+        srow = s_ptr + row * stride_r
+        n_chunks = tl.cdiv(L, CHUNK)
+        ar = tl.arange(0, CHUNK)
+        bins = tl.arange(0, 256)
+
+        # ---- radix select of the threshold score key T and how many ties at T to take (need) ----
+        done = (L <= k).to(tl.int32)  # everything valid is selected: T = 0, need = k
+        T = tl.zeros([], tl.uint32)
+        need = k + tl.zeros([], tl.int32)
+        prefix = tl.zeros([], tl.uint32)
+        kk = k + tl.zeros([], tl.int32)  # keys still to select at or below the current prefix
+        for p in tl.static_range(4):
+            if done == 0:
+                h = tl.zeros([256], tl.int32)
+                n_in = tl.zeros([], tl.int32)
+                for c in range(0, n_chunks):
+                    offs = c * CHUNK + ar
+                    inb = offs < L
+                    x = tl.load(srow + offs.to(tl.int64) * stride_c, mask=inb, other=0.0)
+                    m, cand = _row_keys(x, inb)
+                    if p > 0:
+                        cand = cand & ((m >> (32 - 8 * p)) == prefix)
+                    b = tl.where(cand, ((m >> (24 - 8 * p)) & 0xFF).to(tl.int32), 0)
+                    h += tl.histogram(b, 256)
+                    n_in += tl.sum(cand.to(tl.int32), axis=0)
+                # excluded lanes were counted in bin 0: take them out (no histogram mask needed)
+                h = h - tl.where(bins == 0, n_chunks * CHUNK - n_in, 0)
+                incl = n_in - tl.cumsum(h, axis=0) + h  # keys in bins >= b
+                j = tl.max(tl.where(incl >= kk, bins, -1), axis=0)
+                above = tl.sum(tl.where(bins == j, incl - h, 0), axis=0)
+                hj = tl.sum(tl.where(bins == j, h, 0), axis=0)
+                all_sel = n_in <= kk  # fewer candidates than k (only possible in pass 0)
+                kk_new = kk - above
+                prefix_new = (prefix << 8) | j.to(tl.uint32)
+                exact = hj == kk_new  # the whole boundary bin is selected: T = its lowest key
+                if p == 3:
+                    exact = exact | True
+                T = tl.where(all_sel, 0, prefix_new << (24 - 8 * p)).to(tl.uint32)
+                need = tl.where(all_sel, k, kk_new)
+                done = (all_sel | exact).to(tl.int32)
+                prefix = prefix_new
+                kk = kk_new
+
+        # ---- emit: scan from the right end; ties at T go to the larger positions ----
+        cnt = tl.zeros([], tl.int32)
+        ties = tl.zeros([], tl.int32)
+        c = n_chunks - 1
+        orow = out_ptr + row * k
+        scrow = osc_ptr + row * k
+        rev = CHUNK - 1 - ar
+        while (c >= 0) & (cnt < k):
+            offs = c * CHUNK + rev  # descending positions
+            inb = offs < L
+            x = tl.load(srow + offs.to(tl.int64) * stride_c, mask=inb, other=0.0)
+            m, cand = _row_keys(x, inb)
+            is_tie = cand & (m == T)
+            tie_rank = ties + tl.cumsum(is_tie.to(tl.int32), axis=0)
+            sel = (cand & (m > T)) | (is_tie & (tie_rank <= need))
+            slot = cnt + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            sel = sel & (slot < k)
+            tl.store(orow + slot, offs, mask=sel)
+            if RET_SCORES:
+                tl.store(scrow + slot, x, mask=sel)
+            cnt += tl.sum(sel.to(tl.int32), axis=0)
+            ties += tl.sum(is_tie.to(tl.int32), axis=0)
+            c -= 1
+
+        # ---- padding ----
+        for t in range(0, tl.cdiv(k, CHUNK)):
+            o = t * CHUNK + ar
+            pm = (o >= cnt) & (o < k)
+            tl.store(orow + o, tl.full([CHUNK], -1, tl.int32), mask=pm)
+            if RET_SCORES:
+                tl.store(scrow + o, tl.full([CHUNK], float("-inf"), tl.float32), mask=pm)
+
+
+def _config(W: int) -> tuple[int, int]:
+    """(CHUNK, num_warps) from the row width only (never from the number of rows)."""
+    chunk = 256
+    while chunk < W and chunk < 4096:
+        chunk *= 2
+    warps = 8 if chunk >= 2048 else (4 if chunk >= 1024 else 2)
+    return chunk, warps
+
+
+def _topk_triton(scores, k, lengths, return_scores, chunk=None):
+    zt.require_triton()
+    if not zt.triton_usable_for(scores.device):
+        raise RuntimeError(
+            f"deterministic_topk: backend='triton' cannot run on {scores.device} here "
+            f"(TRITON_INTERPRET={'1' if zt.INTERPRET else '0'}); use backend='reference' or CUDA tensors"
+        )
+    R, W = scores.shape
+    out = torch.empty((R, k), dtype=torch.int32, device=scores.device)
+    osc = torch.empty((R, k), dtype=torch.float32, device=scores.device) if return_scores else out
+    if R > 0:
+        CHUNK, warps = _config(W)
+        if chunk is not None:  # tests only: small chunks cover the multi-chunk logic at small widths
+            if chunk < 16 or chunk & (chunk - 1):
+                raise ValueError(f"deterministic_topk: chunk={chunk} must be a power of two >= 16")
+            CHUNK = chunk
+        lens = lengths.to(torch.int32).contiguous() if lengths is not None else out
+        _topk_kernel[(R,)](
+            scores, lens, out, osc, W, k, scores.stride(0), scores.stride(1),
+            HAS_LEN=lengths is not None, RET_SCORES=return_scores, CHUNK=CHUNK,
+            num_warps=warps, **zt.LAUNCH_OPTS,
+        )
+    return (out, osc) if return_scores else out
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def deterministic_topk(scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, *,
+                       return_scores: bool = False, backend: str | None = None):
+    """Positions of the k largest (score, position) keys per row, sorted by position descending.
+
+    See the module docstring for the contract. ``backend``: None | "triton" | "reference".
+    """
+    check_inputs(scores, k, lengths, check_values=not _capturing(scores))
+    if backend is None:
+        backend = "triton" if (scores.is_cuda and zt.triton_usable_for(scores.device)) else "reference"
+    if backend == "reference":
+        return deterministic_topk_ref(scores, k, lengths, return_scores=return_scores)
+    if backend == "triton":
+        return _topk_triton(scores, k, lengths, return_scores)
+    raise ValueError(f"deterministic_topk: unknown backend {backend!r} (use None, 'triton' or 'reference')")
+
+
+def topk_routing(scores: torch.Tensor, k: int, *, backend: str | None = None):
+    """Expert routing: (selected scores fp32 [T, k], expert ids int32 [T, k]), ids sorted descending.
+
+    Same selection and tie rule as :func:`deterministic_topk` (ties -> larger expert id). NaN scores are
+    never selected; a row with fewer than k non-NaN scores gets -1 ids / -inf scores in the tail.
+    """
+    ids, sc = deterministic_topk(scores, k, None, return_scores=True, backend=backend)
+    return sc, ids
