@@ -6,11 +6,12 @@ Two rules every zerodiff Triton kernel follows:
   releases (3.9 warns, 3.10 changes it). Every launch passes ``**LAUNCH_OPTS`` so the value never depends
   on the installed Triton's default. Rollout and training import the same kernels, so both compile with
   the same flags.
-* **Casts are round-to-nearest-even.** On the GPU the native fp32->bf16 and fp32->e4m3 (satfinite) casts
-  are RNE and match torch bit for bit (measured on the H200, DESIGN.md). Triton's CPU interpreter truncates
-  instead, so kernels take an ``EXACT_CASTS`` constexpr: when true they round with the integer helpers
-  below, which give the same bits as torch on every finite input. ``EXACT_CASTS`` defaults to
-  :data:`INTERPRET`, so the interpreter runs the emulation and the GPU runs the single instruction.
+* **Casts are round-to-nearest-even, and e4m3 saturates.** On the GPU the native fp32->bf16 and
+  fp32->e4m3 casts are RNE (measured on the H200, DESIGN.md); e4m3 overflow is clamped to +-448
+  explicitly, because torch's own cast maps |x| >= 464 to NaN in torch 2.11 and saturates in torch 2.13.
+  Triton's CPU interpreter truncates instead of rounding, so kernels take an ``EXACT_CASTS`` constexpr:
+  when true they round with the integer helpers below, which give the reference bits on every input.
+  ``EXACT_CASTS`` defaults to :data:`INTERPRET`: the interpreter runs the emulation, the GPU the native cast.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ if HAVE_TRITON:
     def f32_to_e4m3_rne_sat_bits(x):
         """fp32 -> float8_e4m3fn code (uint8), RNE, saturating to +-448 (inf too), NaN -> 0x7F|sign.
 
-        Same bits as torch's ``x.to(torch.float8_e4m3fn)`` on every fp32 input.
+        Same bits as ``zerodiff.reference.fp8_quant.e4m3_rne_saturate`` on every fp32 input.
         """
         u = x.to(tl.uint32, bitcast=True)
         sign = (u >> 24) & 0x80
@@ -107,4 +108,5 @@ if HAVE_TRITON:
         if EXACT:
             return f32_to_e4m3_rne_sat_bits(x).to(tl.float8e4nv, bitcast=True)
         else:
-            return x.to(tl.float8e4nv)
+            # explicit saturation: the native cast's overflow behaviour is not relied upon
+            return tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)

@@ -43,8 +43,13 @@ def group_scale(amax: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
 
 
 def e4m3_rne_saturate(v: torch.Tensor) -> torch.Tensor:
-    """FP32 -> e4m3, RNE, saturating (torch's cast saturates finite overflow and inf to +-448)."""
-    return v.to(torch.float32).to(torch.float8_e4m3fn)
+    """FP32 -> e4m3, RNE, saturating: |v| >= 464 and +-inf -> +-448, NaN -> NaN.
+
+    The clamp is explicit because torch's own cast is not stable across versions: torch 2.13 saturates,
+    torch 2.11 (the H200 image) maps |v| >= 464 to NaN (measured 2026-11-30). Clamping first changes
+    nothing below 464 (those values round to at most 448 anyway) and NaN passes through the clamp.
+    """
+    return v.to(torch.float32).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def quant_per_token_group_ref(x: torch.Tensor, group: int = GROUP, ue8m0: bool = False):

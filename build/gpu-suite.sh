@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Run the whole GPU suite and the micro-benchmarks in one go, writing results under $OUT (default
+# ./results/gpu-<date>). Used on the lent H200 and on any user GPU machine:
+#
+#   build/gpu-suite.sh [--tests-only | --bench-only] [--quick] [-k PYTEST_EXPR] [BENCH_NAME ...]
+#
+# Needs: python3 with CUDA torch, Triton, pytest. DeepGEMM/FlashMLA come from an installed vLLM or from
+# build/wheel-kernels (`make kernels-from-wheel`); a packed copy in .carry/wheel-kernels.tar.gz is unpacked
+# first when the folder is missing (that is how the tree travels to a machine without vLLM).
+# Outputs (few files on purpose): summary.txt, env.txt, pytest.log, junit.xml, bench.log, bench-json.tar.gz
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+OUT=${OUT:-$ROOT/results/gpu-$(date -u +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+RUN_TESTS=1; RUN_BENCH=1; QUICK=""; KEXPR=""; BENCHES=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tests-only) RUN_BENCH=0 ;;
+    --bench-only) RUN_TESTS=0 ;;
+    --quick) QUICK="--quick" ;;
+    -k) KEXPR="$2"; shift ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    *) BENCHES+=("$1") ;;
+  esac
+  shift
+done
+
+export PYTHONPATH="$ROOT/kernels${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+if [ ! -d build/wheel-kernels/vllm ] && [ -f .carry/wheel-kernels.tar.gz ]; then
+  mkdir -p build/wheel-kernels && tar xzf .carry/wheel-kernels.tar.gz -C build/wheel-kernels
+fi
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1
+  $PY - <<'EOF'
+import sys, torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
+try:
+    import triton; print("triton", triton.__version__)
+except Exception as e:
+    print("triton missing", e)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0); print("device", p.name, "cc", p.major, p.minor, "SMs", p.multi_processor_count)
+from zerodiff import backends
+import json; print(json.dumps(backends.status(), indent=1))
+EOF
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+t0=$(date +%s)
+status_tests="not run"
+if [ "$RUN_TESTS" = 1 ]; then
+  echo "=== pytest -m gpu ==="
+  $PY -m pytest -m gpu -q -rfEs --junitxml="$OUT/junit.xml" ${KEXPR:+-k "$KEXPR"} tests 2>&1 | tee "$OUT/pytest.log"
+  rc=${PIPESTATUS[0]}
+  status_tests="exit $rc: $(tail -n 1 "$OUT/pytest.log")"
+fi
+t1=$(date +%s)
+
+status_bench="not run"
+if [ "$RUN_BENCH" = 1 ]; then
+  mkdir -p "$OUT/bench"
+  if [ ${#BENCHES[@]} -eq 0 ]; then
+    for f in benchmarks/bench_*.py; do BENCHES+=("$(basename "$f" .py | sed 's/^bench_//')"); done
+  fi
+  nok=0; nfail=0
+  for b in "${BENCHES[@]}"; do
+    echo "=== bench $b ===" | tee -a "$OUT/bench.log"
+    if timeout 400 $PY "benchmarks/bench_$b.py" $QUICK --json "$OUT/bench/$b.json" >>"$OUT/bench.log" 2>&1; then
+      nok=$((nok+1)); tail -n 40 "$OUT/bench.log" | grep -v '^ ' | tail -n 25
+    else
+      nfail=$((nfail+1)); echo "bench $b FAILED"; tail -n 15 "$OUT/bench.log"
+    fi
+  done
+  tar czf "$OUT/bench-json.tar.gz" -C "$OUT" bench && rm -rf "$OUT/bench"
+  status_bench="$nok ok, $nfail failed"
+fi
+t2=$(date +%s)
+
+{
+  echo "gpu suite $(date -u +%Y-%m-%d) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+  echo "tests: $status_tests ($((t1-t0)) s)"
+  echo "benchmarks: $status_bench ($((t2-t1)) s)"
+} | tee "$OUT/summary.txt"
