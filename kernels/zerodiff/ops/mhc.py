@@ -1,0 +1,488 @@
+"""mHC (DeepSeek-V4 manifold-constrained hyper-connections) with a fixed split: batch-invariant pre/post.
+
+Semantics are those of ``zerodiff.reference.mhc`` (the module docstring there spells out the math;
+argument names follow vLLM 0.33.0's ``mhc_pre`` / ``mhc_post``). Upstream picks the K-split of the
+pre-norm projection GEMM from the token count and the SM count (``compute_num_split``: up to 64 splits
+at small T, 1 at large T) and sums the partial sums afterwards, so a token's mixing weights depend on
+how many tokens share its batch. This module removes that dependence.
+
+Numerical contract of :func:`mhc_pre` (Triton backend)
+------------------------------------------------------
+* Split count fixed at ``FIXED_SPLITS = 1``; no small-batch branch; one kernel configuration
+  (``_GEMM_BM/_GEMM_BN/_GEMM_BK``, warps) for every T. The grid depends on T, the per-row arithmetic
+  never does: rows are tiled ``_GEMM_BM`` at a time and no value crosses rows.
+* Projection: ``mix_raw[t, m] = sum_k x[t, k] * fn[m, k]`` over ``k = 0 .. n*H-1`` in fp32, one fixed
+  order: blocks of ``_GEMM_BK`` in increasing k, each block through ``tl.dot(..., acc,
+  input_precision=_DOT_PRECISION)`` ("ieee": an fp32 FMA chain on the GPU). bf16 inputs are exact in fp32.
+* Sum of squares: ``sq[t] = sum_k x[t, k]**2`` in fp32 (each square is exact), per block a fixed
+  ``tl.sum`` tree, blocks added in increasing k.
+* Normalisation: ``rms = 1 / sqrt_rn(sq / (n*H) + rms_eps)`` (correctly rounded divisions and sqrt),
+  ``mix = mix_raw * rms``.
+* Gates: ``pre = 1/(1+exp(-(mix*s0 + b))) + pre_eps``; ``post = 1/(1+exp(-(mix*s1 + b))) * post_mult``;
+  ``exp`` is Triton's ``tl.exp`` (deterministic; hardware approximation on the GPU), divisions RN.
+* Sinkhorn in fp32 registers: row max, ``exp``, row sums and column sums added sequentially in
+  increasing index, RN divisions; exactly ``sinkhorn_iters`` normalisation rounds (no convergence test).
+* Aggregation: ``acc = pre0*x0``, then ``acc = acc + pre_i*x_i`` for i = 1..n-1 (fp32, FP fusion off),
+  one RNE rounding to bf16.
+* Outputs: ``layer_input`` bf16 ``[T, H]``, ``post`` fp32 ``[T, n]``, ``comb`` fp32 ``[T, n, n]``. Every
+  output row depends only on that row's inputs and the weights: never on T, the row's position, or the
+  other rows. On the CPU interpreter the same holds; its values differ from the GPU's in the last bits
+  (numpy ``exp`` and ``matmul``), so CPU-vs-GPU is not a bitwise claim.
+
+:func:`mhc_post`: ``new[:, j] = post[j]*layer_out + sum_i comb[i, j]*residual[:, i]`` in fp32, post term
+first, then i = 0..n-1, one multiply and one add per term (FP fusion off), one RNE rounding to bf16.
+Bitwise equal to ``reference.mhc.mhc_post_ref(..., dtype=torch.float32)`` on any device.
+
+:func:`mhc_pre_split_baseline` is the stock-style path (negative control, benchmark baseline): the
+split count from the token count as vLLM computes it, partial sums added in split order, then the same
+epilogue. Its bits depend on T; ours do not.
+
+Bad input raises ``ValueError`` naming the argument: wrong dtype / rank / shape, non-power-of-two or
+> 8 ``hc_mult``, tensors on different devices, ``sinkhorn_iters < 1``, an unknown backend, or a
+Triton backend on a device where Triton cannot run. Non-finite inputs are not checked; they propagate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerodiff import _triton as zt
+from zerodiff.reference import mhc as ref
+
+if zt.HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+__all__ = [
+    "FIXED_SPLITS",
+    "mhc_pre",
+    "mhc_post",
+    "mhc_pre_split_baseline",
+    "stock_num_splits",
+    "prenorm_gemm",
+    "pre_epilogue",
+]
+
+#: the contract: one K split for every token count.
+FIXED_SPLITS = 1
+
+# One fixed kernel configuration (never chosen from T).
+_GEMM_BM = 16
+_GEMM_BN = 32  # >= n_mix = 24 for hc_mult 4; padded lanes are masked
+_GEMM_BK = 64
+_GEMM_WARPS = 4
+_DOT_PRECISION = "ieee"
+_EPI_BLOCK_H = 1024
+_EPI_WARPS = 4
+_POST_BLOCK_H = 512
+_POST_WARPS = 4
+
+# ----------------------------------------------------------------------------------------- kernels
+
+if zt.HAVE_TRITON:
+
+    @triton.jit
+    def _mhc_prenorm_gemm_kernel(
+        x_ptr, fn_ptr, mix_ptr, sq_ptr, T, K, K_PER_SPLIT,
+        NMIX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        split = tl.program_id(1)
+        rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+        rmask = rows < T
+        cols = tl.arange(0, BN)
+        cmask = cols < NMIX
+        k_start = split * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        sq = tl.zeros([BM], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BK):
+            ks = k0 + tl.arange(0, BK)
+            kmask = ks < k_end
+            x = tl.load(x_ptr + rows[:, None] * K + ks[None, :],
+                        mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(fn_ptr + cols[None, :] * K + ks[:, None],
+                        mask=cmask[None, :] & kmask[:, None], other=0.0)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            sq = sq + tl.sum(x * x, axis=1)
+        out = mix_ptr + split.to(tl.int64) * T * NMIX + rows[:, None] * NMIX + cols[None, :]
+        tl.store(out, acc, mask=rmask[:, None] & cmask[None, :])
+        tl.store(sq_ptr + split.to(tl.int64) * T + rows, sq, mask=rmask)
+
+    @triton.jit
+    def _rowsum_seq(m, NH: tl.constexpr):
+        """Row sums of an [NH, NH] tile, columns added in increasing index (exact extraction)."""
+        c = tl.arange(0, NH)[None, :]
+        s = tl.sum(tl.where(c == 0, m, 0.0), axis=1)
+        for k in tl.static_range(1, NH):
+            s = s + tl.sum(tl.where(c == k, m, 0.0), axis=1)
+        return s
+
+    @triton.jit
+    def _colsum_seq(m, NH: tl.constexpr):
+        """Column sums of an [NH, NH] tile, rows added in increasing index (exact extraction)."""
+        r = tl.arange(0, NH)[:, None]
+        s = tl.sum(tl.where(r == 0, m, 0.0), axis=0)
+        for k in tl.static_range(1, NH):
+            s = s + tl.sum(tl.where(r == k, m, 0.0), axis=0)
+        return s
+
+    @triton.jit
+    def _sigmoid_rn(z):
+        return tl.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + tl.exp(-z))
+
+    @triton.jit
+    def _mhc_pre_epilogue_kernel(
+        mix_ptr, sq_ptr, scale_ptr, base_ptr, res_ptr, li_ptr, post_ptr, comb_ptr,
+        T, H, K, rms_eps, pre_eps, sk_eps, post_mult, ITERS,
+        S: tl.constexpr, NH: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        NMIX: tl.constexpr = NH * (NH + 2)
+        n = tl.arange(0, NH)
+        ii = tl.arange(0, NH)[:, None]
+        jj = tl.arange(0, NH)[None, :]
+        mrow = mix_ptr + row * NMIX
+        # partial sums added in split order (S == 1 for our path)
+        sq = tl.load(sq_ptr + row)
+        pre_r = tl.load(mrow + n)
+        post_r = tl.load(mrow + NH + n)
+        comb_r = tl.load(mrow + 2 * NH + ii * NH + jj)
+        for s in tl.static_range(1, S):
+            ms = mrow + s * T * NMIX
+            sq = sq + tl.load(sq_ptr + s * T + row)
+            pre_r = pre_r + tl.load(ms + n)
+            post_r = post_r + tl.load(ms + NH + n)
+            comb_r = comb_r + tl.load(ms + 2 * NH + ii * NH + jj)
+        kf = K.to(tl.float32)
+        rms = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sq, kf) + rms_eps))
+        s0 = tl.load(scale_ptr)
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        pre = _sigmoid_rn((pre_r * rms) * s0 + tl.load(base_ptr + n)) + pre_eps
+        post = _sigmoid_rn((post_r * rms) * s1 + tl.load(base_ptr + NH + n)) * post_mult
+        c = (comb_r * rms) * s2 + tl.load(base_ptr + 2 * NH + ii * NH + jj)
+        # Sinkhorn: row softmax + eps, column normalisation, then ITERS-1 (row, column) rounds
+        mx = tl.max(c, axis=1)
+        e = tl.exp(c - mx[:, None])
+        c = tl.div_rn(e, _rowsum_seq(e, NH)[:, None]) + sk_eps
+        c = tl.div_rn(c, (_colsum_seq(c, NH) + sk_eps)[None, :])
+        for _ in range(ITERS - 1):
+            c = tl.div_rn(c, (_rowsum_seq(c, NH) + sk_eps)[:, None])
+            c = tl.div_rn(c, (_colsum_seq(c, NH) + sk_eps)[None, :])
+        tl.store(post_ptr + row * NH + n, post)
+        tl.store(comb_ptr + row * NH * NH + ii * NH + jj, c)
+        # aggregation: acc = pre0*x0; acc += pre_i*x_i (i ascending); one rounding to bf16
+        p0 = tl.sum(tl.where(n == 0, pre, 0.0), axis=0)
+        rbase = res_ptr + row * NH * H
+        for h0 in range(0, H, BLOCK_H):
+            offs = h0 + tl.arange(0, BLOCK_H)
+            hm = offs < H
+            acc = p0 * tl.load(rbase + offs, mask=hm, other=0.0).to(tl.float32)
+            for i in tl.static_range(1, NH):
+                pi = tl.sum(tl.where(n == i, pre, 0.0), axis=0)
+                acc = acc + pi * tl.load(rbase + i * H + offs, mask=hm, other=0.0).to(tl.float32)
+            tl.store(li_ptr + row * H + offs, zt.cast_bf16(acc, EXACT), mask=hm)
+
+    @triton.jit
+    def _mhc_post_kernel(
+        lo_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, H,
+        NH: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = offs < H
+        j = tl.arange(0, NH)
+        post = tl.load(post_ptr + row * NH + j)
+        x = tl.load(lo_ptr + row * H + offs, mask=hm, other=0.0).to(tl.float32)
+        acc = post[:, None] * x[None, :]
+        rbase = res_ptr + row * NH * H
+        for i in tl.static_range(NH):
+            ri = tl.load(rbase + i * H + offs, mask=hm, other=0.0).to(tl.float32)
+            ci = tl.load(comb_ptr + row * NH * NH + i * NH + j)
+            acc = acc + ci[:, None] * ri[None, :]
+        out = out_ptr + row * NH * H + j[:, None] * H + offs[None, :]
+        tl.store(out, zt.cast_bf16(acc, EXACT), mask=(j[:, None] < NH) & hm[None, :])
+
+
+# ------------------------------------------------------------------------------------- validation
+
+
+def _err(msg: str) -> ValueError:
+    return ValueError(f"zerodiff.mhc: {msg}")
+
+
+def _check_pre(residual, fn, hc_scale, hc_base, sinkhorn_iters):
+    if not isinstance(residual, torch.Tensor) or residual.dim() != 3 or residual.dtype != torch.bfloat16:
+        raise _err(f"residual must be a bf16 tensor [T, hc_mult, H]; got "
+                   f"{getattr(residual, 'dtype', type(residual))} {tuple(getattr(residual, 'shape', ()))}")
+    T, n, H = residual.shape
+    if n < 1 or n > 8 or (n & (n - 1)) != 0:
+        raise _err(f"hc_mult (residual.shape[1]) must be a power of two <= 8; got {n}")
+    if H < 1:
+        raise _err(f"hidden size (residual.shape[2]) must be >= 1; got {H}")
+    nm = ref.n_mix(n)
+    if fn.dtype != torch.float32 or tuple(fn.shape) != (nm, n * H):
+        raise _err(f"fn must be fp32 [{nm}, {n * H}] for residual {tuple(residual.shape)}; "
+                   f"got {fn.dtype} {tuple(fn.shape)}")
+    if hc_scale.dtype != torch.float32 or tuple(hc_scale.shape) != (3,):
+        raise _err(f"hc_scale must be fp32 [3]; got {hc_scale.dtype} {tuple(hc_scale.shape)}")
+    if hc_base.dtype != torch.float32 or tuple(hc_base.shape) != (nm,):
+        raise _err(f"hc_base must be fp32 [{nm}]; got {hc_base.dtype} {tuple(hc_base.shape)}")
+    for name, t in (("fn", fn), ("hc_scale", hc_scale), ("hc_base", hc_base)):
+        if t.device != residual.device:
+            raise _err(f"{name} is on {t.device} but residual is on {residual.device}")
+    if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
+        raise _err(f"sinkhorn_iters must be an int >= 1; got {sinkhorn_iters!r}")
+
+
+def _check_post(layer_out, residual, post, comb):
+    if not isinstance(residual, torch.Tensor) or residual.dim() != 3 or residual.dtype != torch.bfloat16:
+        raise _err(f"residual must be a bf16 tensor [T, hc_mult, H]; got "
+                   f"{getattr(residual, 'dtype', type(residual))} {tuple(getattr(residual, 'shape', ()))}")
+    T, n, H = residual.shape
+    if n < 1 or n > 8 or (n & (n - 1)) != 0:
+        raise _err(f"hc_mult (residual.shape[1]) must be a power of two <= 8; got {n}")
+    if layer_out.dtype != torch.bfloat16 or tuple(layer_out.shape) != (T, H):
+        raise _err(f"layer_out must be bf16 [{T}, {H}]; got {layer_out.dtype} {tuple(layer_out.shape)}")
+    if post.dtype != torch.float32 or post.numel() != T * n or post.shape[:1] != (T,) or post.shape[1] != n:
+        raise _err(f"post must be fp32 [{T}, {n}] (or [{T}, {n}, 1]); got {post.dtype} {tuple(post.shape)}")
+    if comb.dtype != torch.float32 or tuple(comb.shape) != (T, n, n):
+        raise _err(f"comb must be fp32 [{T}, {n}, {n}]; got {comb.dtype} {tuple(comb.shape)}")
+    for name, t in (("layer_out", layer_out), ("post", post), ("comb", comb)):
+        if t.device != residual.device:
+            raise _err(f"{name} is on {t.device} but residual is on {residual.device}")
+
+
+def _pick_backend(backend, device) -> str:
+    if backend is None:
+        return "triton" if str(device).startswith("cuda") else "reference"
+    if backend not in ("triton", "reference"):
+        raise _err(f"unknown backend {backend!r}; use None, 'triton' or 'reference'")
+    if backend == "triton":
+        zt.require_triton()
+        if not zt.triton_usable_for(device):
+            raise _err(f"backend='triton' cannot run on {device} here (TRITON_INTERPRET="
+                       f"{'1' if zt.INTERPRET else '0'}); use backend='reference' or a CUDA tensor")
+    return backend
+
+
+# ------------------------------------------------------------------------------------ the stages
+
+
+def prenorm_gemm(residual: torch.Tensor, fn: torch.Tensor, *, splits: int = FIXED_SPLITS,
+                 _precision: str = _DOT_PRECISION) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton projection + sum of squares: (mix_raw fp32 [S, T, n_mix], sqrsum fp32 [S, T]).
+
+    ``splits`` partitions K into ``splits`` consecutive ranges of whole ``_GEMM_BK`` blocks. The public
+    ops always pass :data:`FIXED_SPLITS`; other values exist for the benchmark only."""
+    T, n, H = residual.shape
+    K = n * H
+    nm = ref.n_mix(n)
+    if nm > _GEMM_BN:
+        raise _err(f"n_mix = {nm} exceeds the kernel's padded width {_GEMM_BN} (hc_mult {n} unsupported)")
+    x = residual.contiguous().view(T, K)
+    fn = fn.contiguous()
+    mix = torch.empty(splits, T, nm, dtype=torch.float32, device=residual.device)
+    sq = torch.empty(splits, T, dtype=torch.float32, device=residual.device)
+    if T == 0:
+        return mix, sq
+    k_per_split = triton.cdiv(triton.cdiv(K, _GEMM_BK), splits) * _GEMM_BK
+    grid = (triton.cdiv(T, _GEMM_BM), splits)
+    _mhc_prenorm_gemm_kernel[grid](
+        x, fn, mix, sq, T, K, k_per_split, NMIX=nm, BM=_GEMM_BM, BN=_GEMM_BN, BK=_GEMM_BK,
+        PRECISION=_precision, num_warps=_GEMM_WARPS, **zt.LAUNCH_OPTS,
+    )
+    return mix, sq
+
+
+def pre_epilogue(mix: torch.Tensor, sq: torch.Tensor, residual: torch.Tensor, hc_scale: torch.Tensor,
+                 hc_base: torch.Tensor, *, rms_eps: float, hc_pre_eps: float, hc_sinkhorn_eps: float,
+                 hc_post_mult: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton epilogue: partials (added in split order) -> gates, Sinkhorn, aggregation."""
+    S, T, nm = mix.shape
+    _, n, H = residual.shape
+    dev = residual.device
+    li = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    post = torch.empty(T, n, dtype=torch.float32, device=dev)
+    comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    if T == 0:
+        return li, post, comb
+    _mhc_pre_epilogue_kernel[(T,)](
+        mix.contiguous(), sq.contiguous(), hc_scale.contiguous(), hc_base.contiguous(),
+        residual.contiguous(), li, post, comb, T, H, n * H,
+        float(rms_eps), float(hc_pre_eps), float(hc_sinkhorn_eps), float(hc_post_mult), int(sinkhorn_iters),
+        S=S, NH=n, BLOCK_H=_EPI_BLOCK_H, EXACT=zt.EXACT_CASTS, num_warps=_EPI_WARPS, **zt.LAUNCH_OPTS,
+    )
+    return li, post, comb
+
+
+# ------------------------------------------------------------------------------------ public ops
+
+
+def mhc_pre(
+    residual: torch.Tensor,
+    fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    *,
+    rms_eps: float = ref.RMS_EPS,
+    hc_pre_eps: float = ref.HC_EPS,
+    hc_sinkhorn_eps: float = ref.HC_EPS,
+    hc_post_mult: float = ref.POST_MULT,
+    sinkhorn_iters: int = ref.SINKHORN_ITERS,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC pre: (layer_input bf16 [T, H], post fp32 [T, n], comb fp32 [T, n, n]).
+
+    ``residual`` bf16 [T, n, H]; ``fn`` fp32 [n*(n+2), n*H]; ``hc_scale`` fp32 [3]; ``hc_base`` fp32
+    [n*(n+2)]. Contract in the module docstring (split count fixed at 1)."""
+    _check_pre(residual, fn, hc_scale, hc_base, sinkhorn_iters)
+    be = _pick_backend(backend, residual.device)
+    kw = dict(rms_eps=rms_eps, hc_pre_eps=hc_pre_eps, hc_sinkhorn_eps=hc_sinkhorn_eps,
+              hc_post_mult=hc_post_mult, sinkhorn_iters=sinkhorn_iters)
+    if be == "reference":
+        return ref.mhc_pre_ref(residual, fn, hc_scale, hc_base, **kw)
+    mix, sq = prenorm_gemm(residual, fn, splits=FIXED_SPLITS)
+    return pre_epilogue(mix, sq, residual, hc_scale, hc_base, **kw)
+
+
+def mhc_post(
+    layer_out: torch.Tensor,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """mHC post: new residual streams bf16 [T, n, H]; contract in the module docstring."""
+    _check_post(layer_out, residual, post, comb)
+    be = _pick_backend(backend, residual.device)
+    if be == "reference":
+        return ref.mhc_post_ref(layer_out, residual, post, comb)
+    T, n, H = residual.shape
+    out = torch.empty(T, n, H, dtype=torch.bfloat16, device=residual.device)
+    if T == 0:
+        return out
+    grid = (T, triton.cdiv(H, _POST_BLOCK_H))
+    _mhc_post_kernel[grid](
+        layer_out.contiguous(), residual.contiguous(), post.reshape(T, n).contiguous(),
+        comb.contiguous(), out, H, NH=n, BLOCK_H=_POST_BLOCK_H, EXACT=zt.EXACT_CASTS,
+        num_warps=_POST_WARPS, **zt.LAUNCH_OPTS,
+    )
+    return out
+
+
+# ------------------------------------------------------------------- stock-style baseline (control)
+
+
+def stock_num_splits(num_tokens: int, k: int, n_sms: int, block_k: int = 64) -> int:
+    """vLLM 0.33.0's split count for the mHC pre-norm GEMM (our restatement of ``compute_num_split``
+    with ``grid = ceil(T / 64)``): ``max(1, min(n_sms // grid, ceil(k / block_k) // 4))``."""
+    grid = max(1, -(-num_tokens // 64))
+    return max(1, min(n_sms // grid, (-(-k // block_k)) // 4))
+
+
+def _default_sms(device) -> int:
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # H200
+
+
+def _split_gemm_torch(x: torch.Tensor, fn: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T, K = x.shape
+    chunk = -(-(-(-K // 64)) // splits) * 64
+    mix = torch.zeros(splits, T, fn.shape[0], dtype=torch.float32, device=x.device)
+    sq = torch.zeros(splits, T, dtype=torch.float32, device=x.device)
+    for s in range(splits):
+        k0, k1 = s * chunk, min((s + 1) * chunk, K)
+        if k0 >= k1:
+            continue
+        xs = x[:, k0:k1].float()
+        mix[s] = xs @ fn[:, k0:k1].t()
+        sq[s] = (xs * xs).sum(-1)
+    return mix, sq
+
+
+def mhc_pre_split_baseline(
+    residual: torch.Tensor,
+    fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    *,
+    rms_eps: float = ref.RMS_EPS,
+    hc_pre_eps: float = ref.HC_EPS,
+    hc_sinkhorn_eps: float = ref.HC_EPS,
+    hc_post_mult: float = ref.POST_MULT,
+    sinkhorn_iters: int = ref.SINKHORN_ITERS,
+    n_splits: int | None = None,
+    n_sms: int | None = None,
+    gemm: str = "auto",
+    epilogue: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stock-style mHC pre whose bits depend on the batch: NOT batch-invariant, by design.
+
+    ``n_splits`` defaults to :func:`stock_num_splits` of (T, n*H, SM count) as vLLM computes it. ``gemm``:
+    "deepgemm" (DeepGEMM's ``tf32_hc_prenorm_gemm``, vLLM's CUDA path), "torch" (per-split fp32 matmuls,
+    partials kept apart), or "auto" (DeepGEMM when importable on a CUDA tensor, else torch). The partials
+    are added in split order by ``epilogue`` "triton" (our epilogue kernel) or "torch" (fp32 eager),
+    "auto" = triton where it can run. Returns the same triple as :func:`mhc_pre`."""
+    _check_pre(residual, fn, hc_scale, hc_base, sinkhorn_iters)
+    T, n, H = residual.shape
+    K = n * H
+    if n_splits is None:
+        n_splits = stock_num_splits(T, K, n_sms or _default_sms(residual.device))
+    x = residual.contiguous().view(T, K)
+    use_dg = False
+    if gemm in ("auto", "deepgemm") and residual.is_cuda:
+        from zerodiff import backends
+
+        dg = backends.deep_gemm()
+        use_dg = dg is not None and hasattr(dg, "tf32_hc_prenorm_gemm")
+        if gemm == "deepgemm" and not use_dg:
+            raise _err("gemm='deepgemm' requested but DeepGEMM's tf32_hc_prenorm_gemm is not importable")
+    elif gemm not in ("auto", "torch", "deepgemm"):
+        raise _err(f"unknown gemm {gemm!r}")
+    if use_dg:
+        mix = torch.empty(n_splits, T, ref.n_mix(n), dtype=torch.float32, device=residual.device)
+        sq = torch.empty(n_splits, T, dtype=torch.float32, device=residual.device)
+        dg.tf32_hc_prenorm_gemm(x, fn.contiguous(), mix, sq, n_splits)
+    else:
+        mix, sq = _split_gemm_torch(x, fn, n_splits)
+    kw = dict(rms_eps=rms_eps, hc_pre_eps=hc_pre_eps, hc_sinkhorn_eps=hc_sinkhorn_eps,
+              hc_post_mult=hc_post_mult, sinkhorn_iters=sinkhorn_iters)
+    if epilogue == "auto":
+        epilogue = "triton" if zt.triton_usable_for(residual.device) else "torch"
+    if epilogue == "triton":
+        return pre_epilogue(mix, sq, residual, hc_scale, hc_base, **kw)
+    if epilogue != "torch":
+        raise _err(f"unknown epilogue {epilogue!r}")
+    return _epilogue_torch(mix, sq, residual, hc_scale, hc_base, **kw)
+
+
+def _epilogue_torch(mix, sq, residual, hc_scale, hc_base, *, rms_eps, hc_pre_eps, hc_sinkhorn_eps,
+                    hc_post_mult, sinkhorn_iters):
+    """fp32 eager epilogue (partials added in split order), stock torch-style."""
+    T, n, H = residual.shape
+    m = mix[0].clone()
+    s = sq[0].clone()
+    for i in range(1, mix.shape[0]):
+        m = m + mix[i]
+        s = s + sq[i]
+    m = m * torch.rsqrt(s / (n * H) + rms_eps).unsqueeze(-1)
+    pre = torch.sigmoid(m[:, :n] * hc_scale[0] + hc_base[:n]) + hc_pre_eps
+    post = torch.sigmoid(m[:, n : 2 * n] * hc_scale[1] + hc_base[n : 2 * n]) * hc_post_mult
+    logits = m[:, 2 * n :].reshape(T, n, n) * hc_scale[2] + hc_base[2 * n :].reshape(1, n, n)
+    comb = ref.sinkhorn_ref(logits, sinkhorn_iters, hc_sinkhorn_eps)
+    li = (pre.unsqueeze(-1) * residual.float()).sum(dim=1).to(torch.bfloat16)
+    return li, post.contiguous(), comb.contiguous()
+
+
+def mhc_pre_torch_eager(residual, fn, hc_scale, hc_base, *, rms_eps=ref.RMS_EPS, hc_pre_eps=ref.HC_EPS,
+                        hc_sinkhorn_eps=ref.HC_EPS, hc_post_mult=ref.POST_MULT,
+                        sinkhorn_iters=ref.SINKHORN_ITERS):
+    """Plain fp32 torch eager mHC pre (vLLM's ``forward_native`` style): a benchmark reference point."""
+    return ref.mhc_pre_ref(residual, fn, hc_scale, hc_base, rms_eps=rms_eps, hc_pre_eps=hc_pre_eps,
+                           hc_sinkhorn_eps=hc_sinkhorn_eps, hc_post_mult=hc_post_mult,
+                           sinkhorn_iters=sinkhorn_iters, dtype=torch.float32)
