@@ -1,0 +1,342 @@
+"""Deterministic Top-K: reference vs an independent brute force, tie/order rules, bad inputs, the Triton
+kernel (interpreter on the CPU, native on the GPU) bitwise equal to the reference, victim-in-batch
+invariance, and negative controls showing that stock ``torch.topk`` does not keep the contract."""
+
+import math
+
+import pytest
+import torch
+
+from zerodiff import _triton as zt
+from zerodiff.ops.topk import _topk_triton, deterministic_topk, topk_routing
+from zerodiff.reference.topk import deterministic_topk_ref, order_preserving_bits
+
+needs_triton = pytest.mark.skipif(not zt.HAVE_TRITON, reason="triton not installed")
+NAN_BITS = [0x7FC00000, -0x400000, 0x7F800001, -0x7FFFFF]  # +qNaN, -qNaN, +sNaN payload, -NaN payload
+
+
+# ---------------------------------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------------------------------
+def _from_bits(bits):
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def adversarial_rows(W, g, nan=True):
+    """Rows full of ties and special values; every row also has ordinary random values somewhere."""
+    rows = []
+    r = torch.randn(W, generator=g)
+    rows.append(torch.full((W,), 1.0))  # all equal: pure position order
+    rows.append(torch.tensor([-1.0, 0.0, 0.5, 1.0])[torch.randint(0, 4, (W,), generator=g)])  # plateaus
+    z = torch.where(torch.rand(W, generator=g) < 0.5, torch.tensor(-0.0), torch.tensor(0.0))
+    z[torch.randint(0, W, (max(1, W // 16),), generator=g)] = -1e-45  # -0/+0 mix around tiny negatives
+    rows.append(z)
+    den = torch.randint(1, 2**23, (W,), generator=g, dtype=torch.int64)
+    den = den | (torch.randint(0, 2, (W,), generator=g, dtype=torch.int64) << 31)
+    den = den.to(torch.int32).view(torch.float32).clone()  # fp32 denormals of both signs
+    den[::7] = 0.0
+    den[3::11] = -0.0
+    rows.append(den)
+    q = torch.round(r * 4) / 4  # quantised random: many ties, many distinct values
+    q[torch.randint(0, W, (max(1, W // 8),), generator=g)] = float("-inf")
+    q[torch.randint(0, W, (max(1, W // 32),), generator=g)] = float("inf")
+    rows.append(q)
+    if nan:
+        n = r.clone()
+        idx = torch.randint(0, W, (max(1, W // 4),), generator=g)
+        n[idx] = _from_bits([NAN_BITS[i % 4] for i in range(idx.numel())])
+        rows.append(n)
+        allnan = _from_bits([NAN_BITS[i % 4] for i in range(W)])
+        rows.append(allnan)
+        ninf = torch.full((W,), float("-inf"))
+        ninf[::5] = _from_bits([0x7FC00000])
+        rows.append(ninf)
+    rows.append(r)
+    return torch.stack(rows)
+
+
+def brute(row, L, k):
+    """Independent rule in plain Python floats: (score, position) tuples, -0.0 == 0.0, NaN dropped."""
+    vals = row.tolist()
+    cands = [(vals[p], p) for p in range(L) if not math.isnan(vals[p])]
+    sel = sorted(cands, reverse=True)[:k]
+    pos = sorted((p for _, p in sel), reverse=True)
+    return pos + [-1] * (k - len(pos))
+
+
+def bits_equal(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------------
+# reference: independent brute force, rules, bad inputs
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("W,k", [(1, 1), (7, 3), (64, 8), (256, 8), (300, 64), (513, 600)])
+def test_reference_matches_brute_force(seeded, W, k):
+    g = seeded(f"{W}-{k}")
+    s = torch.cat([adversarial_rows(W, g), torch.randn(3, W, generator=g)])
+    R = s.shape[0]
+    L = torch.randint(0, W + 1, (R,), generator=g, dtype=torch.int32)
+    L[0] = W
+    for lengths in (None, L):
+        pos, sc = deterministic_topk_ref(s, k, lengths, return_scores=True)
+        for r in range(R):
+            n = W if lengths is None else int(lengths[r])
+            assert pos[r].tolist() == brute(s[r], n, k), f"row {r} length {n}"
+            ok = pos[r] >= 0
+            assert bits_equal(sc[r][ok], s[r][pos[r][ok].long()])
+            assert torch.all(torch.isneginf(sc[r][~ok]))
+
+
+def test_reference_rules():
+    inf, nan = float("inf"), float("nan")
+    # ties go to the larger position; output sorted by position descending
+    s = torch.tensor([[1.0, 2.0, 1.0, 2.0, 1.0]])
+    assert deterministic_topk_ref(s, 3).tolist() == [[4, 3, 1]]
+    # -0 and +0 are equal: the position decides
+    s = torch.tensor([[0.0, -0.0, 0.0, -0.0]])
+    assert deterministic_topk_ref(s, 2).tolist() == [[3, 2]]
+    s = torch.tensor([[-0.0, 0.0, -1e-45, 1e-45]])
+    assert deterministic_topk_ref(s, 2).tolist() == [[3, 1]]
+    assert deterministic_topk_ref(s, 3).tolist() == [[3, 1, 0]]
+    # -inf is a valid lowest score, NaN is never selected, k > candidates pads with -1
+    s = torch.tensor([[-inf, nan, -inf, 5.0, nan]])
+    p, v = deterministic_topk_ref(s, 4, return_scores=True)
+    assert p.tolist() == [[3, 2, 0, -1]]
+    assert v.tolist() == [[5.0, -inf, -inf, -inf]]
+    # +inf above everything; denormals ordered by value
+    s = torch.tensor([[1e-45, 2e-45, inf, 3e-45, 1e38]])
+    assert deterministic_topk_ref(s, 3).tolist() == [[4, 3, 2]]
+    # lengths: only positions < length; empty rows and all-NaN rows are all -1
+    s = torch.tensor([[9.0, 8.0, 7.0, 100.0], [nan, nan, nan, nan], [1.0, 1.0, 1.0, 1.0]])
+    L = torch.tensor([3, 4, 0], dtype=torch.int32)
+    assert deterministic_topk_ref(s, 2, L).tolist() == [[1, 0], [-1, -1], [-1, -1]]
+    # returned scores keep the input bits (-0.0 stays -0.0)
+    s = torch.tensor([[-0.0, 1.0]])
+    _, v = deterministic_topk_ref(s, 2, return_scores=True)
+    assert bits_equal(v, torch.tensor([[1.0, -0.0]]))
+    # the map sorts like the floats
+    x = torch.tensor([-inf, -1.0, -1e-45, -0.0, 0.0, 1e-45, 1.0, inf])
+    m = order_preserving_bits(x)
+    assert torch.all(m[1:] >= m[:-1]) and m[3] == m[4]
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_bad_inputs(backend):
+    s = torch.randn(2, 8)
+    cases = [
+        (lambda: deterministic_topk(s.double(), 2, backend=backend), "float32"),
+        (lambda: deterministic_topk(s[0], 2, backend=backend), "2-D"),
+        (lambda: deterministic_topk(s[None], 2, backend=backend), "2-D"),
+        (lambda: deterministic_topk(s, 0, backend=backend), "k=0"),
+        (lambda: deterministic_topk(s, -3, backend=backend), "k=-3"),
+        (lambda: deterministic_topk(s, 10**6, backend=backend), "k=1000000"),
+        (lambda: deterministic_topk(s, 2.0, backend=backend), "k must be"),
+        (lambda: deterministic_topk(s, 2, torch.tensor([3, 9], dtype=torch.int32), backend=backend), "exceeds"),
+        (lambda: deterministic_topk(s, 2, torch.tensor([-1, 3], dtype=torch.int32), backend=backend), "negative"),
+        (lambda: deterministic_topk(s, 2, torch.tensor([3.0, 2.0]), backend=backend), "int32"),
+        (lambda: deterministic_topk(s, 2, torch.tensor([3], dtype=torch.int32), backend=backend), "shape"),
+        (lambda: deterministic_topk(s, 2, backend="cuda-magic"), "unknown backend"),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            fn()
+
+
+def test_negative_control_torch_topk():
+    """Stock torch.topk breaks the contract on ties: picks other positions and returns score order."""
+    W, k = 64, 8
+    s = torch.full((1, W), 1.0)
+    stock = torch.topk(s, k, dim=1).indices.to(torch.int32)
+    ours = deterministic_topk_ref(s, k)
+    assert ours.tolist() == [list(range(W - 1, W - 1 - k, -1))]
+    assert not torch.equal(stock, ours)
+    # even sorting torch.topk's indices afterwards does not fix the SET on ties
+    s = torch.tensor([[0.0, 3.0, 1.0, 3.0, 2.0, 3.0, 1.0, 3.0]])
+    stock = torch.sort(torch.topk(s, 3, dim=1).indices, dim=1, descending=True).values.to(torch.int32)
+    assert deterministic_topk_ref(s, 3).tolist() == [[7, 5, 3]]
+    assert not torch.equal(stock, deterministic_topk_ref(s, 3))
+    # and the output order of a plain torch.topk on distinct scores is score order, not position order
+    s = torch.tensor([[5.0, 1.0, 4.0, 2.0]])
+    assert torch.topk(s, 3).indices.tolist() == [[0, 2, 3]]
+    assert deterministic_topk_ref(s, 3).tolist() == [[3, 2, 0]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton kernel through the interpreter (small shapes), bitwise equal to the reference
+# ---------------------------------------------------------------------------------------------------
+def _check_triton(s, k, lengths, chunk=None):
+    pos, sc = _topk_triton(s, k, lengths, True, chunk=chunk)
+    rpos, rsc = deterministic_topk_ref(s, k, lengths, return_scores=True)
+    assert torch.equal(pos.cpu(), rpos.cpu()), f"positions differ (k={k}, chunk={chunk})"
+    assert bits_equal(sc.cpu(), rsc.cpu()), f"scores differ (k={k}, chunk={chunk})"
+    only = _topk_triton(s, k, lengths, False, chunk=chunk)
+    assert torch.equal(only.cpu(), rpos.cpu())
+
+
+@needs_triton
+@pytest.mark.parametrize("W,k,chunk", [
+    (200, 1, 16), (200, 7, 32), (200, 64, 16), (200, 199, 64), (200, 260, 32),  # multi-chunk rows
+    (2048, 8, None), (2048, 300, None),  # default chunk at a DSA-like width
+])
+def test_triton_matches_reference(seeded, W, k, chunk):
+    g = seeded(f"{W}-{k}-{chunk}")
+    s = torch.cat([adversarial_rows(W, g), torch.randn(1, W, generator=g) * 1e-3])
+    if W > 1000:
+        s = s[[0, 1, 4, 5, 8]]  # keep the interpreter cheap at the wide shape
+    R = s.shape[0]
+    L = torch.randint(0, W + 1, (R,), generator=g, dtype=torch.int32)
+    L[0], L[-1] = W, min(k, W)
+    _check_triton(s, k, None, chunk)
+    _check_triton(s, k, L, chunk)
+
+
+@needs_triton
+def test_triton_edge_cases(seeded):
+    g = seeded()
+    s = torch.randn(3, 40, generator=g)
+    _check_triton(s, 5, torch.tensor([0, 40, 1], dtype=torch.int32), 16)  # empty, full, single
+    _check_triton(torch.empty(0, 40), 5, None, 16)  # no rows
+    _check_triton(torch.empty(2, 0), 3, None, 16)  # zero width
+    # strided (non-contiguous) rows and columns
+    big = torch.randn(40, 6, generator=g)
+    _check_triton(big.t(), 9, None, 16)
+    _check_triton(big[::2].t()[:, ::3], 4, None, 16)
+    # a row that is all ties at a radix boundary: 0x..FF / 0x..00 low bytes
+    b = torch.tensor([0x3F800000, 0x3F8000FF, 0x3F800100, 0x3F80FF00] * 8, dtype=torch.int32)
+    b = b.view(torch.float32)[None].clone()
+    for k in (1, 7, 8, 9, 16, 17, 31):
+        _check_triton(b, k, None, 16)
+
+
+@needs_triton
+def test_triton_routing_shape(seeded):
+    g = seeded()
+    logits = torch.randn(5, 256, generator=g)
+    logits[1] = torch.round(logits[1])  # heavy ties between experts
+    logits[2, 100:] = logits[2, 0]  # a plateau that straddles the top-8 boundary
+    logits[3] = torch.sigmoid(logits[3] * 40)  # saturated sigmoid scores: many exact 1.0 ties
+    sc, ids = topk_routing(logits, 8, backend="triton")
+    rids, rsc = deterministic_topk_ref(logits, 8, return_scores=True)
+    assert torch.equal(ids, rids) and bits_equal(sc, rsc)
+    assert torch.equal(topk_routing(logits, 8, backend="reference")[1], rids)
+
+
+@needs_triton
+def test_triton_victim_in_batch(seeded):
+    """The victim's positions are the same alone and at several slots of batches of several sizes."""
+    g = seeded()
+    W, k = 96, 24
+    victim = adversarial_rows(W, g)[4]  # quantised scores with +-inf: ties at the k boundary
+    vlen = 90
+    alone = _topk_triton(victim[None], k, torch.tensor([vlen], dtype=torch.int32), False, chunk=32)
+    assert torch.equal(alone, deterministic_topk_ref(victim[None], k, torch.tensor([vlen])))
+    for B in (2, 3, 5):
+        for slot in sorted({0, B // 2, B - 1}):
+            fill = torch.round(torch.randn(B, W, generator=g) * 2) / 2
+            L = torch.randint(0, W + 1, (B,), generator=g, dtype=torch.int32)
+            fill[slot], L[slot] = victim, vlen
+            got = _topk_triton(fill, k, L, False, chunk=32)
+            assert torch.equal(got[slot], alone[0]), f"victim changed at B={B} slot={slot}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU: exact equality at DSA widths, victim-in-batch on every dispatch boundary, negative control
+# ---------------------------------------------------------------------------------------------------
+def _gpu_rows(R, W, g):
+    """Random rows plus tie-heavy rows (what an indexer produces after FP8 / BF16 rounding)."""
+    s = torch.randn(R, W, generator=g)
+    s[1::4] = torch.round(s[1::4] * 8) / 8
+    s[2::4] = s[2::4].to(torch.bfloat16).float()
+    if R > 3:
+        s[3] = 1.0
+    return s
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [8192, 16384, 32768, 65536])
+def test_gpu_dsa_widths_exact(seeded, W):
+    g = seeded(str(W))
+    s = _gpu_rows(12, W, g)
+    adv = adversarial_rows(W, g)
+    s = torch.cat([s, adv])
+    L = torch.randint(0, W + 1, (s.shape[0],), generator=g, dtype=torch.int32)
+    L[:3] = torch.tensor([W, 2048, 2047], dtype=torch.int32)
+    sc = s.cuda()
+    for k in (2048, 1, 513):
+        for lengths in (None, L):
+            pos, val = deterministic_topk(sc, k, None if lengths is None else lengths.cuda(), return_scores=True)
+            rpos, rval = deterministic_topk_ref(s, k, lengths, return_scores=True)
+            assert torch.equal(pos.cpu(), rpos), f"W={W} k={k} lengths={'yes' if lengths is not None else 'no'}"
+            assert bits_equal(val.cpu(), rval)
+
+
+@pytest.mark.gpu
+def test_gpu_routing_exact(seeded):
+    g = seeded()
+    for T in (1, 7, 64, 1000, 8192):
+        lg = torch.randn(T, 256, generator=g)
+        lg[::3] = torch.round(lg[::3] * 2) / 2
+        lg[1::5] = torch.sigmoid(lg[1::5] * 30)
+        sc, ids = topk_routing(lg.cuda(), 8)
+        rids, rsc = deterministic_topk_ref(lg, 8, return_scores=True)
+        assert torch.equal(ids.cpu(), rids) and bits_equal(sc.cpu(), rsc), f"T={T}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W,k", [(65536, 2048), (8192, 2048), (256, 8)])
+def test_gpu_victim_in_batch(seeded, W, k):
+    g = seeded(f"{W}-{k}")
+    victim = torch.round(torch.randn(W, generator=g) * 4) / 4  # ties straddle the k boundary
+    vlen = W - 3
+    vl = torch.tensor([vlen], dtype=torch.int32)
+    alone = deterministic_topk(victim[None].cuda(), k, vl.cuda())
+    ref = deterministic_topk_ref(victim[None], k, vl)
+    assert torch.equal(alone.cpu(), ref)
+    sizes = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 1000)
+    if W > 8192:
+        sizes = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 300)
+    for rnd in range(3):
+        for B in sizes:
+            fill = _gpu_rows(B, W, g).cuda()
+            L = torch.randint(0, W + 1, (B,), generator=g, dtype=torch.int32).cuda()
+            for slot in sorted({0, B // 3, B - 1}):
+                f = fill.clone()
+                f[slot] = victim.cuda()
+                Ls = L.clone()
+                Ls[slot] = vlen
+                got = deterministic_topk(f, k, Ls)
+                assert torch.equal(got[slot].cpu(), alone[0].cpu()), f"round {rnd} B={B} slot={slot}"
+
+
+@pytest.mark.gpu
+def test_gpu_negative_control_torch_topk(seeded):
+    """On the same tie-heavy rows torch.topk's index set (even re-sorted) differs from the contract."""
+    g = seeded()
+    W, k = 65536, 2048
+    s = (torch.round(torch.randn(4, W, generator=g) * 4) / 4).cuda()
+    ours = deterministic_topk(s, k)
+    stock = torch.topk(s, k, dim=1).indices
+    assert not torch.equal(stock.to(torch.int32), ours)
+    stock_sorted = torch.sort(stock, dim=1, descending=True).values.to(torch.int32)
+    assert not torch.equal(stock_sorted, ours), "torch.topk picked the same tie set: redesign the control"
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_equals_eager(seeded):
+    g = seeded()
+    W, k, B = 16384, 2048, 8
+    s = _gpu_rows(B, W, g).cuda()
+    L = torch.randint(1, W + 1, (B,), generator=g, dtype=torch.int32).cuda()
+    eager = deterministic_topk(s, k, L)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = deterministic_topk(s, k, L)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    s.copy_(_gpu_rows(B, W, g).cuda())  # new inputs in the same storage
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), deterministic_topk_ref(s.cpu(), k, L.cpu()))
