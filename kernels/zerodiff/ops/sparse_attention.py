@@ -1,0 +1,251 @@
+"""Sparse MLA attention over a gathered BF16 workspace, and the one read path prefill/decode/training share.
+
+Two entry points:
+
+* ``sparse_attention(q, kv, indices, sm_scale, *, d_v=512, attn_sink=None, backend=None) -> (out, lse)``
+  ``q`` bf16 [Q, H, d_qk]; ``kv`` bf16 [S, d_qk] or [S, 1, d_qk]; ``indices`` int32 [Q, K] or [Q, 1, K]
+  (rows of ``kv``; < 0 or >= S skipped); ``attn_sink`` fp32 [H] or None. Returns ``out`` bf16 [Q, H, d_v]
+  and ``lse`` fp32 [Q, H] (natural log of sum_j exp(sm_scale * q.k_j); +inf and out = 0 for a (query,
+  head) without any valid index). The sink scales the output by 1 / (1 + exp(sink - lse)), lse unchanged.
+  These are the semantics of FlashMLA's ``flash_mla_sparse_fwd`` (reference: ``zerodiff.reference.
+  sparse_attention``).
+* ``sparse_mla_attention(q, cache, block_table, req_ids, positions, sm_scale, *, attn_sink=None,
+  d_nope=512, d_rope=64, rows_per_chunk=256, check=True, backend=None) -> (out, lse)``: THE read path.
+  Query row r attends to the request-local ``positions[r]`` (int32 [Q, W], e.g. the DSA Top-K output,
+  -1 = empty) of request ``req_ids[r]``: ``kv_cache.gather_kv`` dequantises those positions into a
+  per-row BF16 workspace [rows, W, d_nope + d_rope] (W from model limits: max top-k plus window), then
+  ``sparse_attention`` runs over it with indices ``r * W + j`` in the given order. Prefill, chunked
+  prefill, decode and training all call this; query rows are processed in fixed chunks of
+  ``rows_per_chunk`` (a memory bound only: no row's result depends on the chunking).
+
+Backends for ``sparse_attention``: ``"flashmla"`` (``flash_mla_sparse_fwd`` via ``zerodiff.backends``,
+SM90/SM100), ``"triton"`` (our fallback), ``"reference"`` (float64 torch). ``None`` picks flashmla on a
+CUDA device where it imports and the shape is one it supports (d_qk 576 or 512, d_v 512, H in 64/128,
+K % 64 == 0), else triton on CUDA, else the reference on CPU. Rollout and training must run the same
+backend on the same hardware: the choice depends only on the device, the library and the model shape.
+``"flashmla"`` requested on a shape it cannot take raises instead of falling back.
+
+Numerical contract (bitwise, both kernel backends): the result of query row r depends only on q[r], the
+kv rows ``indices[r]`` point to and their ORDER (index order is part of the contract: reversing the
+same set changes the bits), sm_scale and attn_sink; never on other rows, Q, the row's position in the
+batch, where in ``kv`` the rows live, or prefill vs decode. Measured for FlashMLA on the H200
+(DESIGN.md); a GPU test re-checks it. Triton fallback: one program per (query row, block of 16 heads);
+the index list is consumed in fixed blocks of 32 in the given order with an online softmax in base 2:
+``s = (q_nope . k_nope + q_rope . k_rope) * (sm_scale * log2 e)`` (fp32 accumulate), running max m,
+``p = exp2(s - m)`` rounded to bf16 for the P.V product, ``l`` accumulates the fp32 p, ``acc`` in fp32;
+``out = bf16(acc / l * 1 / (1 + exp2(sink * log2 e - lse2)))``, ``lse = lse2 * ln 2``. Agrees with the
+float64 reference to bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _triton
+from .._triton import HAVE_TRITON, LAUNCH_OPTS, require_triton, triton_usable_for
+from ..reference.sparse_attention import sparse_attention_ref
+from . import kv_cache as _kv
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+BLOCK_H = 16
+BLOCK_N = 32
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .._triton import cast_bf16
+
+    @triton.jit
+    def _sparse_attn_kernel(
+        q_ptr, q_s0, q_s1, kv_ptr, kv_s0, idx_ptr, idx_s0, sink_ptr, out_ptr, o_s0, o_s1, lse_ptr, lse_s0,
+        H, K, S, scale_log2,
+        D_V: tl.constexpr, D_R: tl.constexpr, HAS_SINK: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr,
+    ):
+        r = tl.program_id(0).to(tl.int64)
+        hb = tl.program_id(1)
+        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = h < H
+        dv = tl.arange(0, D_V)
+        dr = tl.arange(0, D_R)
+        qrow = q_ptr + r * q_s0 + h[:, None] * q_s1
+        qn = tl.load(qrow + dv[None, :], mask=hm[:, None], other=0.0)
+        qr = tl.load(qrow + D_V + dr[None, :], mask=hm[:, None], other=0.0)
+        if EXACT:
+            qn = qn.to(tl.float32)
+            qr = qr.to(tl.float32)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D_V], tl.float32)
+        for n0 in range(0, K, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            idx = tl.load(idx_ptr + r * idx_s0 + n, mask=n < K, other=-1).to(tl.int64)
+            valid = (idx >= 0) & (idx < S)
+            row = kv_ptr + tl.where(valid, idx, 0) * kv_s0
+            kn = tl.load(row[:, None] + dv[None, :], mask=valid[:, None], other=0.0)
+            kr = tl.load(row[:, None] + D_V + dr[None, :], mask=valid[:, None], other=0.0)
+            if EXACT:
+                kn = kn.to(tl.float32)
+                kr = kr.to(tl.float32)
+            s = tl.dot(qn, tl.trans(kn)) + tl.dot(qr, tl.trans(kr))
+            s = s * scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            pb = cast_bf16(p, EXACT)
+            if EXACT:
+                pb = pb.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(pb, kn)
+            m = m_new
+        lonely = l == 0.0
+        l_safe = tl.where(lonely, 1.0, l)
+        lse2 = tl.where(lonely, 0.0, m + tl.log2(l_safe))
+        o = acc / l_safe[:, None]
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
+            o = o * (1.0 / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2)))[:, None]
+        o = tl.where(lonely[:, None], 0.0, o)
+        lse = tl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
+        tl.store(out_ptr + r * o_s0 + h[:, None] * o_s1 + dv[None, :], cast_bf16(o, EXACT), mask=hm[:, None])
+        tl.store(lse_ptr + r * lse_s0 + h, lse, mask=hm)
+
+
+def _flashmla_supports(q, kv2, idx2, d_v) -> str | None:
+    """None when flash_mla_sparse_fwd takes this shape, else the reason it does not."""
+    Q, H, D = q.shape
+    if D not in (576, 512):
+        return f"d_qk={D} (FlashMLA takes 576 or 512)"
+    if d_v != 512:
+        return f"d_v={d_v} (FlashMLA takes 512)"
+    if H not in (64, 128):
+        return f"heads={H} (use 64 or 128 so SM90 and SM100 run the same kernel)"
+    if idx2.shape[1] % 64:
+        return f"top-k width {idx2.shape[1]} (must be a multiple of 64)"
+    return None
+
+
+def _pick(backend, q, kv2, idx2, d_v) -> str:
+    if backend is None:
+        if q.is_cuda:
+            from .. import backends
+
+            if backends.flash_mla() is not None and _flashmla_supports(q, kv2, idx2, d_v) is None:
+                return "flashmla"
+            if triton_usable_for(q.device):
+                return "triton"
+        return "triton" if triton_usable_for(q.device) else "reference"
+    if backend == "flashmla":
+        from .. import backends
+
+        if not q.is_cuda:
+            raise ValueError("zerodiff.sparse_attention: backend='flashmla' needs CUDA tensors")
+        if backends.flash_mla() is None:
+            raise ValueError(
+                "zerodiff.sparse_attention: backend='flashmla' requested but FlashMLA is not importable "
+                f"({backends.status()['flashmla']['detail']})"
+            )
+        why = _flashmla_supports(q, kv2, idx2, d_v)
+        if why:
+            raise ValueError(f"zerodiff.sparse_attention: backend='flashmla' cannot take {why}")
+        return "flashmla"
+    if backend == "triton":
+        require_triton()
+        if not triton_usable_for(q.device):
+            raise ValueError(f"zerodiff.sparse_attention: backend='triton' cannot run on {q.device} here")
+        return "triton"
+    if backend == "reference":
+        return "reference"
+    raise ValueError(f"zerodiff.sparse_attention: unknown backend {backend!r}")
+
+
+def sparse_attention(q, kv, indices, sm_scale: float, *, d_v: int = 512, attn_sink=None, out=None, backend=None):
+    if q.dtype != torch.bfloat16 or q.dim() != 3:
+        raise ValueError(f"zerodiff.sparse_attention: q must be bf16 [Q, H, d_qk], got {q.dtype} {tuple(q.shape)}")
+    Q, H, D = q.shape
+    if kv.dtype != torch.bfloat16 or kv.shape[-1] != D or not (kv.dim() == 2 or (kv.dim() == 3 and kv.shape[1] == 1)):
+        raise ValueError(f"zerodiff.sparse_attention: kv must be bf16 [S, {D}] or [S, 1, {D}], got {kv.dtype} {tuple(kv.shape)}")
+    kv2 = kv.reshape(kv.shape[0], D)
+    if indices.dtype != torch.int32 or indices.shape[0] != Q or not (
+        indices.dim() == 2 or (indices.dim() == 3 and indices.shape[1] == 1)
+    ):
+        raise ValueError(f"zerodiff.sparse_attention: indices must be int32 [{Q}, K] or [{Q}, 1, K], got {indices.dtype} {tuple(indices.shape)}")
+    idx2 = indices.reshape(Q, indices.shape[-1])
+    if not (0 < d_v <= D) or (d_v & (d_v - 1)):
+        raise ValueError(f"zerodiff.sparse_attention: d_v={d_v} must be a power of two <= d_qk={D}")
+    if attn_sink is not None and (attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (H,)):
+        raise ValueError(f"zerodiff.sparse_attention: attn_sink must be fp32 [{H}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
+    which = _pick(backend, q, kv2, idx2, d_v)
+    if which == "reference":
+        o, lse = sparse_attention_ref(q, kv2, idx2, sm_scale, d_v, attn_sink)
+        if out is not None:
+            out.copy_(o)
+            return out, lse
+        return o, lse
+    if which == "flashmla":
+        from .. import backends
+
+        fm = backends.flash_mla()
+        o, _max_logits, lse = fm.flash_mla_sparse_fwd(
+            q.contiguous(), kv2.reshape(-1, 1, D).contiguous(), idx2.reshape(Q, 1, -1).contiguous(),
+            float(sm_scale), d_v, attn_sink, None, out,
+        )
+        return o, lse
+    d_r = D - d_v
+    if d_r <= 0 or (d_r & (d_r - 1)):
+        raise ValueError(f"zerodiff.sparse_attention: the Triton fallback needs d_qk - d_v a power of two, got {d_r}")
+    if out is None:
+        out = torch.empty(Q, H, d_v, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(Q, H, dtype=torch.float32, device=q.device)
+    if Q == 0:
+        return out, lse
+    q = q if q.stride(2) == 1 else q.contiguous()
+    kv2 = kv2 if kv2.stride(1) == 1 else kv2.contiguous()
+    idx2 = idx2 if idx2.stride(1) == 1 else idx2.contiguous()
+    sink = attn_sink if attn_sink is not None else lse  # dummy pointer when HAS_SINK is false
+    _sparse_attn_kernel[(Q, triton.cdiv(H, BLOCK_H))](
+        q, q.stride(0), q.stride(1), kv2, kv2.stride(0), idx2, idx2.stride(0), sink,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0),
+        H, idx2.shape[1], kv2.shape[0], float(sm_scale) * LOG2E,
+        D_V=d_v, D_R=D - d_v, HAS_SINK=attn_sink is not None,
+        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, EXACT=_triton.EXACT_CASTS, num_warps=4, **LAUNCH_OPTS,
+    )
+    return out, lse
+
+
+def sparse_mla_attention(q, cache, block_table, req_ids, positions, sm_scale: float, *, attn_sink=None,
+                         d_nope: int = 512, d_rope: int = 64, seq_lens=None, rows_per_chunk: int = 256,
+                         check: bool = True, backend=None, gather_backend=None):
+    Q = q.shape[0]
+    if positions.dim() != 2 or positions.shape[0] != Q:
+        raise ValueError(f"zerodiff.sparse_attention: positions must be int32 [{Q}, W], got {tuple(positions.shape)}")
+    if rows_per_chunk <= 0:
+        raise ValueError(f"zerodiff.sparse_attention: rows_per_chunk={rows_per_chunk} must be positive")
+    W = positions.shape[1]
+    outs, lses = [], []
+    for r0 in range(0, Q, rows_per_chunk):
+        r1 = min(Q, r0 + rows_per_chunk)
+        ws = _kv.gather_kv(cache, block_table, req_ids[r0:r1], positions[r0:r1], seq_lens=seq_lens,
+                           d_nope=d_nope, d_rope=d_rope, check=check, backend=gather_backend)
+        idx = _kv.workspace_indices(positions[r0:r1])
+        o, l = sparse_attention(q[r0:r1], ws.view((r1 - r0) * W, d_nope + d_rope), idx, sm_scale,
+                                d_v=d_nope, attn_sink=attn_sink, backend=backend)
+        outs.append(o)
+        lses.append(l)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    if not outs:
+        H = q.shape[1]
+        return (torch.empty(0, H, d_nope, dtype=torch.bfloat16, device=q.device),
+                torch.empty(0, H, dtype=torch.float32, device=q.device))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def default_sm_scale(d_qk: int = 576) -> float:
+    return 1.0 / math.sqrt(d_qk)
