@@ -90,7 +90,7 @@ def unpack(side: str, archive: Path, pins: dict[str, str], dest: Path) -> None:
     stamp = f"archive={archive.name} sha256={sha}\n"
     if dest.exists():
         if marker.exists() and marker.read_text() == stamp:
-            say(f"[{side}] {dest} already holds the pristine tree (patches may be applied; `make unapply`)")
+            say(f"[{side}] {dest} already unpacked (pristine commit tagged {PRISTINE_TAG}; `make unapply` removes applied patches)")
             return
         raise BuildError(
             f"[{side}] {dest} exists but was not made from {archive.name} (sha256 {sha[:12]}...); "

@@ -1,0 +1,65 @@
+# zerodiff: `make` = the main job (sources, apply, check, summary, end-to-end check); `make test` = the tests.
+# Versions and hashes come only from build/pins. Run `make help` for the targets.
+
+include build/pins
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+# a user's own checkouts (forks) instead of the pinned trees; passed to the scripts through the environment
+export VLLM_SRC MEGATRON_SRC VENV
+
+.DEFAULT_GOAL := all
+.PHONY: all help venv sources apply unapply check-patches summary e2e-check kernels-from-wheel doctor \
+        test test-gpu clean
+
+all: venv sources apply check-patches summary e2e-check ## the main job: venv, sources, apply, check-patches, summary, end-to-end check
+
+help: ## list the targets
+	@echo "zerodiff (vLLM $(VLLM_VERSION) @ $(VLLM_COMMIT), megatron-core $(MEGATRON_VERSION); pins in build/pins)"
+	@echo
+	@grep -hE '^[a-z-]+:.*## ' Makefile | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 28
+	@echo
+	@echo "  Variables: VLLM_SRC=/path/to/your/vllm MEGATRON_SRC=/path/to/your/megatron (use your fork, 3-way merge),"
+	@echo "             VENV=.venv, TORCH_INDEX_URL=<extra pip index for the CPU torch wheel>, PYTEST_ARGS=..."
+
+venv: ## create/refresh the virtual environment (.venv); instant when up to date
+	@build/venv.sh
+
+sources: venv ## fetch the pinned vLLM / megatron-core sdists (sha256-checked) into build/sources/* as git repos
+	@$(PY) build/sources.py
+
+apply: venv ## apply patches/{vllm,megatron}/series to the trees (idempotent; 3-way merge on VLLM_SRC/MEGATRON_SRC)
+	@$(PY) build/patches.py apply
+
+unapply: venv ## reverse the applied patches (last first)
+	@$(PY) build/patches.py unapply
+
+check-patches: venv ## each patch alone on the pristine tree, the series in order, reversal, patched Python compiles
+	@$(PY) build/patches.py check
+
+summary: venv ## what is patched: patch names per side and the files they touch
+	@echo "=== zerodiff patch summary ==="
+	@$(PY) build/patches.py summary
+
+e2e-check: venv ## the end-to-end consistency check (`zerodiff check`), when available
+	@if $(VENV)/bin/zerodiff check --help >/dev/null 2>&1; then \
+		echo "=== zerodiff check ==="; $(VENV)/bin/zerodiff check; \
+	else \
+		echo "end-to-end check: not available yet (\`zerodiff check\` does not exist in this version)"; \
+	fi
+
+kernels-from-wheel: venv ## FlashMLA + DeepGEMM out of vLLM's pinned wheel into build/wheel-kernels (+ .carry tarball)
+	@$(PY) build/wheel_kernels.py
+
+doctor: venv ## what this machine can run (torch, Triton, CUDA, backends, pins)
+	@$(VENV)/bin/zerodiff doctor
+
+test: venv ## the test suite (CPU; tests marked gpu run when CUDA is present, skip otherwise)
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+test-gpu: venv ## GPU tests only (needs CUDA; run `make kernels-from-wheel` first for DeepGEMM/FlashMLA)
+	$(PY) -m pytest -q -m gpu tests $(PYTEST_ARGS)
+
+clean: ## remove build outputs (unpacked sources, wheel kernels, carry tarball); keeps downloads and .venv
+	rm -rf build/sources build/wheel-kernels .carry/wheel-kernels.tar.gz
