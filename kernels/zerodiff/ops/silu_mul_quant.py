@@ -18,7 +18,7 @@ Numerical contract (the reference is :mod:`zerodiff.reference.silu_mul_quant`):
   ``SiluAndMulWithClamp`` semantics: the gate is clamped from above before the SiLU);
   ``e = exp(-g)`` (Triton ``tl.exp``: the GPU's approximate exp; numpy's on the interpreter);
   ``d = 1 + e``; ``s = div_rn(g, d)``; ``p = s * u``; then ONE round-to-nearest-even to BF16.
-  Large negative gates give ``e = inf`` and ``s = -0``, the correct limit. inf/NaN inputs are not part of
+  Gates below about -88.7 give ``e = inf`` and ``s = -0`` (the true value is below 1e-36 in magnitude). inf/NaN inputs are not part of
   the contract (IEEE propagation, unspecified clamp order).
 * FP8: per token, groups of ``group`` consecutive output columns (``N % group == 0`` required):
   ``amax`` of the BF16 values in FP32, ``scale = div_rn(max(amax, 1e-10), 448)`` (``ue8m0``: rounded up
