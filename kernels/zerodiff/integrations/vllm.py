@@ -1,0 +1,375 @@
+"""vLLM 0.33.0 glue: the fail-closed config guard and the adapters the ``patches/vllm`` series calls.
+
+Every function here is called only when consistency mode is on (``ZERODIFF_CONSISTENT=1``, see
+:mod:`zerodiff.integrations`); the patched call sites keep the upstream code untouched otherwise.
+
+Config guard
+------------
+``validate_config(**plain_values)`` refuses, with one message naming every bad setting, each configuration
+that cannot keep rollout/training log-probs bit-identical (``diff = 0``); ``check_vllm_config(vllm_config)``
+reads those values off a ``VllmConfig`` (duck-typed, so CPU tests use fake objects) and is what the patched
+``VllmConfig.__post_init__`` calls. Rules and why:
+
+* ``tensor_parallel_size > 1``: TP puts an all-reduce (cross-GPU sum) inside the compared path (DESIGN
+  "cross-GPU"; seed 4.5). Refused.
+* ``decode_context_parallel_size > 1`` / ``prefill_context_parallel_size > 1``: decode CP merges partial
+  attention and top-k results across GPUs; not supported (seed 4.5). Refused.
+* expert parallel with an ``all2all_backend`` other than ``deepep_low_latency``: the combine must happen on
+  the token's owner in FP32 in top-k slot order (DESIGN "MoE routed experts"); ``allgather_reducescatter``
+  sums expert outputs across GPUs. Refused.
+* ``enable_prefix_caching``: a cached prefix is never recomputed, so the rollout's values would come from an
+  earlier batch's prefill, and the check itself is defined with caching off (reference fork, class 5).
+* speculative decoding (any ``speculative_config``): the draft/verify split changes which path computes a
+  token and uses ``next_n > 1`` rows. Refused.
+* ``cudagraph_mode == PIECEWISE``: refused. ``NONE``, ``FULL``, ``FULL_DECODE_ONLY`` and
+  ``FULL_AND_PIECEWISE`` are accepted. Reasoning (DESIGN "CUDA graphs", seed 4.6): whether a step runs in a
+  graph or eagerly depends on the other requests of the step, so graph and eager must be bit-identical;
+  our kernels make that so (no host sync, static bounds, workspaces sized by model limits). The seed ran
+  FULL_AND_PIECEWISE with diff 0 over 100 steps (and it is the fastest mode there). PIECEWISE-only leaves
+  attention and the indexer outside the graph for *decode* steps as well, which is the mode in which the
+  public reference fork measured a mixed-step leak (29 of 75 soak rounds flipped, not shape-invariant);
+  it is also the slowest mode (10.4k vs 16.4k tok/s in seed 4.6), so nothing is lost by refusing it.
+  FULL_AND_PIECEWISE stays a measured risk: the soak test must cover it (see docs/patch-catalog.md).
+* DeepSeek-V4: ``kv_cache_dtype`` must be explicitly FP8 (``fp8``, ``fp8_e4m3`` or ``fp8_ds_mla``): the
+  consistent read path (DESIGN "FP8 KV cache") and the training side's private cache are defined on the
+  ``fp8_ds_mla`` layout; ``auto`` resolves per attention backend (BF16 on some), so it is refused too.
+* DSA indexer cache: ``indexer_kv_dtype`` ``mxfp4`` (the FP4 indexer cache) refused: the reference fork
+  measured a leak with it and no zerodiff kernel reads it. ``auto``/``fp8``/``fp8_e4m3`` accepted.
+* MoE models: ``moe_backend`` must be ``deep_gemm`` (the only expert path whose activation quant the
+  series routes through ``zerodiff.ops.silu_mul_quant``); ``auto`` may pick Triton/FlashInfer/Cutlass
+  experts by shape, so it is refused as well.
+* block-FP8 models (``quantization`` ``fp8``): ``linear_backend`` must be ``deep_gemm`` (the FlashInfer
+  ``M < 32`` swap-AB branch is a batch-size fork, seed 4.1); ``auto`` picks FlashInfer first on CUDA.
+
+Adapters (upstream tensors/layouts -> zerodiff ops)
+---------------------------------------------------
+* ``indexer_topk_decode(logits, seq_lens, next_n, topk_indices, topk_tokens)``: writes
+  ``zerodiff.ops.topk.deterministic_topk`` positions into ``topk_indices`` in place.
+* ``indexer_topk_prefill(logits, row_starts, row_ends, topk_indices, topk_tokens)``: same for the prefill
+  rows; positions are relative to each row's start (``row_starts`` None = all zero), as upstream.
+* ``short_context_uses_fill(max_model_len, compress_ratio, topk_tokens)``: the static bound replacing the
+  batch-dependent ``max_seq_len`` test; ``fill_short_context_topk(out, positions, num_tokens, topk_tokens,
+  compress_ratio)``: every candidate, in the contract order (position descending, -1 last).
+* ``moe_act_quant_contiguous(input, output, *, group_size, clamp_limit, scale_fmt, alpha, beta)`` and
+  ``moe_act_quant_masked(y, tokens_per_expert, *, group_size, scale_fmt, clamp_limit=None)``: SiLU*up with
+  one BF16 rounding, then per-token-group FP8 (``zerodiff.ops.silu_mul_quant``), returned in the scale
+  layouts DeepGEMM reads (MN-major TMA-aligned FP32; UE8M0 packed int32 for ``scale_fmt="UE8M0"``).
+``scale_fmt`` is the *name* of vLLM's ``DeepGemmQuantScaleFMT`` member (``FLOAT32``,
+``FLOAT32_CEIL_UE8M0``, ``UE8M0``) so this module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import ConfigError, _problems_to_error, enabled
+
+__all__ = [
+    "ALLOWED_CUDAGRAPH_MODES",
+    "validate_config",
+    "config_values",
+    "check_vllm_config",
+    "indexer_topk_decode",
+    "indexer_topk_prefill",
+    "short_context_uses_fill",
+    "fill_short_context_topk",
+    "moe_act_quant_contiguous",
+    "moe_act_quant_masked",
+    "mn_major_scales",
+    "pack_ue8m0_scales",
+]
+
+ALLOWED_CUDAGRAPH_MODES = ("NONE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+_DSV4_ARCHS = ("DeepseekV4ForCausalLM", "DeepSeekV4MTPModel", "DeepseekV41ForCausalLM")
+_FP8_KV = ("fp8", "fp8_e4m3", "fp8_ds_mla")
+_INDEXER_KV_OK = ("auto", "fp8", "fp8_e4m3")
+
+
+# ------------------------------------------------------------------------------------------ config guard
+def validate_config(
+    *,
+    tensor_parallel_size: int = 1,
+    decode_context_parallel_size: int = 1,
+    prefill_context_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
+    expert_parallel_world: int = 1,
+    all2all_backend: str | None = None,
+    enable_prefix_caching: bool = False,
+    speculative: bool = False,
+    cudagraph_mode: str | None = None,
+    architectures: tuple[str, ...] | list[str] = (),
+    is_moe: bool = False,
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
+    indexer_kv_dtype: str = "auto",
+    moe_backend: str = "auto",
+    linear_backend: str = "auto",
+) -> None:
+    """Raise :class:`ConfigError` naming every setting that breaks diff = 0; return None when all is fine.
+
+    Takes plain values only (see :func:`config_values` for how they are read off a ``VllmConfig``).
+    ``cudagraph_mode`` is the ``CUDAGraphMode`` member name (``None``: not resolved yet, accepted).
+    """
+    p: list[str] = []
+    if int(tensor_parallel_size) > 1:
+        p.append(f"tensor_parallel_size={tensor_parallel_size}: TP > 1 puts a cross-GPU all-reduce in the "
+                 "compared path; use tensor_parallel_size=1 (scale out with data/expert parallelism)")
+    if int(decode_context_parallel_size) > 1:
+        p.append(f"decode_context_parallel_size={decode_context_parallel_size}: decode context parallelism "
+                 "merges partial attention across GPUs; use 1")
+    if int(prefill_context_parallel_size) > 1:
+        p.append(f"prefill_context_parallel_size={prefill_context_parallel_size}: prefill context parallelism "
+                 "merges partial results across GPUs; use 1")
+    if enable_expert_parallel and int(expert_parallel_world) > 1 and all2all_backend != "deepep_low_latency":
+        p.append(f"all2all_backend={all2all_backend!r} with enable_expert_parallel: the expert combine must run "
+                 "on the token's owner in FP32 in top-k slot order; use all2all_backend='deepep_low_latency'")
+    if enable_prefix_caching:
+        p.append("enable_prefix_caching=True: cached prefixes are never recomputed; pass "
+                 "--no-enable-prefix-caching")
+    if speculative:
+        p.append("speculative_config is set: speculative decoding is not supported in consistency mode; "
+                 "remove --speculative-config")
+    if cudagraph_mode is not None and cudagraph_mode not in ALLOWED_CUDAGRAPH_MODES:
+        p.append(f"cudagraph_mode={cudagraph_mode}: not allowed in consistency mode (PIECEWISE-only leaves "
+                 f"decode attention outside the graph; see zerodiff.integrations.vllm); use one of "
+                 f"{', '.join(ALLOWED_CUDAGRAPH_MODES)}")
+    archs = tuple(architectures or ())
+    is_dsv4 = any(a in _DSV4_ARCHS for a in archs)
+    if is_dsv4 and str(kv_cache_dtype) not in _FP8_KV:
+        p.append(f"kv_cache_dtype={kv_cache_dtype!r}: DeepSeek-V4 needs the FP8 KV cache; pass "
+                 "--kv-cache-dtype fp8")
+    if str(indexer_kv_dtype) not in _INDEXER_KV_OK:
+        p.append(f"indexer_kv_dtype={indexer_kv_dtype!r}: the FP4 (mxfp4) / non-FP8 indexer cache is not "
+                 "supported; use indexer_kv_dtype='fp8' (or 'auto' on CUDA)")
+    if is_moe and str(moe_backend) != "deep_gemm":
+        p.append(f"moe_backend={moe_backend!r}: only the DeepGEMM experts have their activation routed "
+                 "through zerodiff; pass --moe-backend deep_gemm")
+    if quantization is not None and str(quantization).lower() == "fp8" and str(linear_backend) != "deep_gemm":
+        p.append(f"linear_backend={linear_backend!r}: block-FP8 linears must run one M-independent kernel "
+                 "(no FlashInfer M<32 branch); pass --linear-backend deep_gemm")
+    _problems_to_error("vLLM", p)
+
+
+def _get(obj: Any, path: str, default=None):
+    for name in path.split("."):
+        if obj is None:
+            return default
+        obj = getattr(obj, name, None)
+    return default if obj is None else obj
+
+
+def config_values(vllm_config: Any) -> dict:
+    """The plain values :func:`validate_config` needs, read off a ``VllmConfig`` (or a look-alike)."""
+    mode = _get(vllm_config, "compilation_config.cudagraph_mode")
+    mode_name = None if mode is None else getattr(mode, "name", str(mode)).split(".")[-1]
+    mc = _get(vllm_config, "model_config")
+    archs = _get(mc, "architectures") or _get(mc, "hf_config.architectures") or ()
+    pc = _get(vllm_config, "parallel_config")
+    ep_world = int(_get(pc, "data_parallel_size", 1)) * int(_get(pc, "tensor_parallel_size", 1))
+    return dict(
+        tensor_parallel_size=int(_get(pc, "tensor_parallel_size", 1)),
+        decode_context_parallel_size=int(_get(pc, "decode_context_parallel_size", 1)),
+        prefill_context_parallel_size=int(_get(pc, "prefill_context_parallel_size", 1)),
+        enable_expert_parallel=bool(_get(pc, "enable_expert_parallel", False)),
+        expert_parallel_world=ep_world,
+        all2all_backend=_get(pc, "all2all_backend"),
+        enable_prefix_caching=bool(_get(vllm_config, "cache_config.enable_prefix_caching", False)),
+        speculative=_get(vllm_config, "speculative_config") is not None,
+        cudagraph_mode=mode_name,
+        architectures=tuple(archs),
+        is_moe=bool(_get(mc, "is_moe", False)),
+        quantization=_get(mc, "quantization"),
+        kv_cache_dtype=str(_get(vllm_config, "cache_config.cache_dtype", "auto")),
+        indexer_kv_dtype=str(_get(vllm_config, "attention_config.indexer_kv_dtype", "auto")),
+        moe_backend=str(_get(vllm_config, "kernel_config.moe_backend", "auto")),
+        linear_backend=str(_get(vllm_config, "kernel_config.linear_backend", "auto")),
+    )
+
+
+def check_vllm_config(vllm_config: Any, environ=None) -> bool:
+    """The guard the patched ``VllmConfig.__post_init__`` calls: no-op (False) when consistency mode is off,
+    else validate (raising :class:`ConfigError`) and return True."""
+    if not enabled(environ):
+        return False
+    if getattr(_get(vllm_config, "model_config"), "is_submodel_config", False):
+        return True  # a with_hf_config() view; its parent was validated
+    validate_config(**config_values(vllm_config))
+    return True
+
+
+# ------------------------------------------------------------------------------------------- DSA top-k
+def _decode_row_ends(seq_lens: torch.Tensor, next_n: int, num_rows: int) -> torch.Tensor:
+    """Per-row candidate counts: seq_lens is (B, next_n) per row, or (B, 1) -> row j of a request sees
+    ``len - next_n + 1 + j`` candidates (clamped at 0)."""
+    if seq_lens.numel() == num_rows:
+        ends = seq_lens.reshape(-1)
+    else:
+        off = torch.arange(next_n, dtype=torch.int32, device=seq_lens.device)
+        ends = (seq_lens.reshape(-1, 1).to(torch.int32) - next_n + 1 + off).clamp(min=0).reshape(-1)
+    return ends[:num_rows].to(torch.int32)
+
+
+def _as_f32(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dtype == torch.float32:
+        return logits if logits.stride(-1) == 1 else logits.contiguous()
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        return logits.float()  # exact widening
+    raise TypeError(f"zerodiff indexer top-k: logits must be fp32/bf16/fp16, got {logits.dtype}")
+
+
+def indexer_topk_decode(logits: torch.Tensor, seq_lens: torch.Tensor, next_n: int, topk_indices: torch.Tensor,
+                        topk_tokens: int, *, backend=None) -> None:
+    """Replacement for ``SparseIndexerTopk.forward``: deterministic top-k of each decode row into
+    ``topk_indices`` (int32 [rows, topk_tokens], written in place; position descending, -1 last)."""
+    from ..ops.topk import deterministic_topk
+
+    rows = logits.shape[0]
+    if topk_indices.shape[0] < rows or topk_indices.shape[-1] != topk_tokens:
+        raise ValueError(f"zerodiff indexer top-k: topk_indices {tuple(topk_indices.shape)} does not fit "
+                         f"{rows} rows x topk_tokens={topk_tokens}")
+    lengths = _decode_row_ends(seq_lens, next_n, rows)
+    pos = deterministic_topk(_as_f32(logits), topk_tokens, lengths, backend=backend)
+    topk_indices[:rows].copy_(pos)
+
+
+def indexer_topk_prefill(logits: torch.Tensor, row_starts: torch.Tensor | None, row_ends: torch.Tensor,
+                         topk_indices: torch.Tensor, topk_tokens: int, *, backend=None) -> None:
+    """Replacement for ``ops.top_k_per_row_prefill``: row r's candidates are columns
+    ``[row_starts[r], row_ends[r])``; the written positions are relative to ``row_starts[r]`` (request-local),
+    position descending, -1 last."""
+    from ..ops.topk import deterministic_topk
+
+    rows = logits.shape[0]
+    if rows == 0:
+        return
+    x = _as_f32(logits)
+    ends = row_ends[:rows].to(torch.int32)
+    if row_starts is None:
+        lengths = ends
+    else:
+        starts = row_starts[:rows].to(torch.int32)
+        lengths = (ends - starts).clamp(min=0)
+        W = x.shape[1]
+        cols = starts.to(torch.int64).unsqueeze(1) + torch.arange(W, device=x.device).unsqueeze(0)
+        x = torch.gather(x, 1, cols.clamp(max=W - 1))  # columns past the row's length are never read
+    pos = deterministic_topk(x, topk_tokens, lengths, backend=backend)
+    topk_indices[:rows, :topk_tokens].copy_(pos)
+
+
+def short_context_uses_fill(max_model_len: int, compress_ratio: int, topk_tokens: int) -> bool:
+    """Static bound for the indexer's short-context shortcut: True when NO request can ever have more
+    than ``topk_tokens`` compressed candidates (model limit only, never the batch's max_seq_len), so the
+    fill is taken for every step, captured or eager, and the top-k never runs."""
+    return int(max_model_len) // int(compress_ratio) <= int(topk_tokens)
+
+
+def fill_short_context_topk(out: torch.Tensor, positions: torch.Tensor, num_tokens: int, topk_tokens: int,
+                            compress_ratio: int) -> None:
+    """Every candidate of each token, in the contract order: token at position p has
+    ``n = (p + 1) // compress_ratio`` candidates; row = ``[n-1, n-2, ..., 0, -1, ...]`` (position descending,
+    -1 last), exactly what ``deterministic_topk`` returns for a row of ``n <= topk_tokens`` finite scores.
+    Integer math only, no host sync (CUDA-graph safe). ``out`` is viewed as ``[*, topk_tokens]``."""
+    if num_tokens <= 0:
+        return
+    o = out.view(-1, topk_tokens)[:num_tokens]
+    n = (positions[:num_tokens].to(torch.int64) + 1) // int(compress_ratio)
+    j = torch.arange(topk_tokens, device=o.device, dtype=torch.int64)
+    vals = n.unsqueeze(1) - 1 - j.unsqueeze(0)
+    o.copy_(torch.where(vals >= 0, vals, torch.full_like(vals, -1)).to(o.dtype))
+
+
+# ---------------------------------------------------------------------------------- MoE SiLU*up -> FP8
+def mn_major_scales(scale: torch.Tensor) -> torch.Tensor:
+    """FP32 scales [M, G] (or [E, M, G]) in the MN-major layout DeepGEMM's SM90 kernels read: M padded to a
+    multiple of 4 (16-byte TMA alignment), the M index contiguous. Values unchanged."""
+    if scale.dim() == 2:
+        M, G = scale.shape
+        m_pad = (M + 3) // 4 * 4
+        buf = torch.zeros((G, m_pad), dtype=scale.dtype, device=scale.device)
+        buf[:, :M] = scale.t()
+        return buf.t()[:M]
+    return _mn_major_3d(scale)
+
+
+def _mn_major_3d(scale: torch.Tensor) -> torch.Tensor:
+    E, M, G = scale.shape
+    m_pad = (M + 3) // 4 * 4
+    buf = torch.zeros((E, G, m_pad), dtype=scale.dtype, device=scale.device)
+    buf[:, :, :M] = scale.transpose(1, 2)
+    return buf.transpose(1, 2)[:, :M]
+
+
+def pack_ue8m0_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two FP32 scales [..., G] -> int32 [..., ceil(G/4)] holding 4 exponent bytes each (group 4i
+    in the lowest byte), the packed UE8M0 format of DeepGEMM's SM100 kernels. Exact (bit extraction)."""
+    G = scale.shape[-1]
+    e = ((scale.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.int64)
+    pad = (-G) % 4
+    if pad:
+        e = torch.nn.functional.pad(e, (0, pad))
+    e = e.view(*e.shape[:-1], -1, 4)
+    packed = e[..., 0] | (e[..., 1] << 8) | (e[..., 2] << 16) | (e[..., 3] << 24)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # same bits, signed
+
+
+def _scale_fmt(scale_fmt) -> str:
+    name = getattr(scale_fmt, "name", scale_fmt)
+    name = str(name).split(".")[-1]
+    if name not in ("FLOAT32", "FLOAT32_CEIL_UE8M0", "UE8M0"):
+        raise ConfigError(f"zerodiff MoE activation: unknown DeepGEMM scale format {scale_fmt!r}")
+    return name
+
+
+def _check_gated(alpha, beta) -> None:
+    if alpha not in (None, 1.0) or beta not in (None, 0.0):
+        raise ConfigError(f"zerodiff MoE activation: gemm1_alpha={alpha!r} / gemm1_beta={beta!r} (swigluoai) "
+                          "is not supported in consistency mode; only SiLU (alpha=1, beta=0)")
+
+
+def moe_act_quant_contiguous(input: torch.Tensor, output: torch.Tensor | None = None, *, group_size: int = 128,
+                             clamp_limit: float | None = None, scale_fmt="FLOAT32", alpha=None, beta=None,
+                             backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replacement for ``DeepGemmExperts._act_mul_quant`` (SiLU path): input bf16 [M, 2N] (gate | up) ->
+    (q e4m3 [M, N] written into ``output`` when given, scales in DeepGEMM's layout)."""
+    from ..ops.silu_mul_quant import silu_mul_quant_fp8
+
+    _check_gated(alpha, beta)
+    fmt = _scale_fmt(scale_fmt)
+    q, s = silu_mul_quant_fp8(input, group=group_size, clamp_limit=clamp_limit, ue8m0=fmt != "FLOAT32",
+                              backend=backend)
+    if output is not None:
+        if tuple(output.shape) != tuple(q.shape):
+            raise ValueError(f"zerodiff MoE activation: output {tuple(output.shape)} != {tuple(q.shape)}")
+        output.copy_(q)
+        q = output
+    if fmt == "UE8M0":
+        return q, mn_major_int(pack_ue8m0_scales(s))
+    return q, mn_major_scales(s)
+
+
+def mn_major_int(packed: torch.Tensor) -> torch.Tensor:
+    """int32 packed scales [M, G4] in MN-major layout (M contiguous, padded to a multiple of 4)."""
+    return mn_major_scales(packed)
+
+
+def moe_act_quant_masked(y: torch.Tensor, tokens_per_expert: torch.Tensor, *, group_size: int = 128,
+                         scale_fmt="FLOAT32", clamp_limit: float | None = None,
+                         backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replacement for ``persistent_masked_m_silu_mul_quant``: y bf16 [E, T, 2H], counts [E] ->
+    (q e4m3 [E, T, H], scales [E, T, G] fp32 (or [E, T, ceil(G/4)] int32 for UE8M0) with strides
+    ``(T*G, 1, T)``, zero on rows past each expert's count), bit-identical per valid row to the contiguous
+    layout."""
+    from ..ops.silu_mul_quant import silu_mul_quant_fp8_masked
+
+    fmt = _scale_fmt(scale_fmt)
+    counts = tokens_per_expert.to(device=y.device, dtype=torch.int32)
+    q, s = silu_mul_quant_fp8_masked(y, counts, group=group_size, clamp_limit=clamp_limit,
+                                     ue8m0=fmt != "FLOAT32", backend=backend)
+    if fmt == "UE8M0":
+        s = pack_ue8m0_scales(s)
+    E, T, G = s.shape
+    out = torch.empty_strided((E, T, G), (T * G, 1, T), dtype=s.dtype, device=s.device)
+    out.copy_(s)
+    return q, out
