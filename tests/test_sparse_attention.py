@@ -133,6 +133,26 @@ def test_one_read_path_prefill_equals_chunked_equals_decode(seeded):
     assert torch.allclose(full[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)
 
 
+def test_per_request_workspace_equals_per_row(seeded):
+    """Prefill layout (each request dequantised once, rows index it) == per-row layout, bitwise."""
+    g = seeded()
+    lens = [30, 12, 25]
+    cache, bt = _request_cache(g, lens, SMALL)
+    W, H = 16, 4
+    pos = torch.cat([_causal_positions(g, L, W) for L in lens])
+    req = torch.cat([torch.full((L,), b, dtype=torch.int32) for b, L in enumerate(lens)])
+    perm = torch.randperm(len(req), generator=g)
+    pos, req = pos[perm], req[perm]
+    q = torch.randn(len(req), H, 144, generator=g).to(torch.bfloat16)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    kw = dict(**SMALL, seq_lens=sl, backend="triton", gather_backend="triton")
+    a = sa.sparse_mla_attention(q, cache, bt, req, pos, 0.2, workspace="per_row", **kw)
+    b = sa.sparse_mla_attention(q, cache, bt, req, pos, 0.2, workspace="per_request", **kw)
+    assert _same(a, b)
+    with pytest.raises(ValueError, match="seq_lens"):
+        sa.sparse_mla_attention(q, cache, bt, req, pos, 0.2, workspace="per_request", **SMALL)
+
+
 def test_negative_control_reversed_index_order_changes_bits(seeded):
     g = seeded()
     Q, H, S, K = 4, 4, 200, 96
@@ -245,6 +265,10 @@ def test_gpu_victim_in_batch_and_decode_equals_prefill(backend):
     pre = sa.sparse_mla_attention(qq, cache, bt, req0, p1, sc, backend=backend)
     chk = sa.sparse_mla_attention(qq, cache, bt, req0, p1, sc, backend=backend, rows_per_chunk=7)
     assert torch.equal(pre[0], chk[0]) and torch.equal(pre[1], chk[1])
+    lens = torch.full((129,), 4096, dtype=torch.int32, device="cuda")
+    dense = sa.sparse_mla_attention(qq, cache, bt, req0, p1, sc, backend=backend, workspace="per_request",
+                                    seq_lens=lens)
+    assert torch.equal(pre[0], dense[0]) and torch.equal(pre[1], dense[1]), "per-request workspace changed bits"
     for t in (0, 13, 39):
         d = sa.sparse_mla_attention(qq[t : t + 1], cache, bt, req0[:1], p1[t : t + 1], sc, backend=backend)
         assert torch.equal(d[0][0], pre[0][t]) and torch.equal(d[1][0], pre[1][t])

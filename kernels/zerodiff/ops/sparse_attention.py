@@ -10,13 +10,18 @@ Two entry points:
   These are the semantics of FlashMLA's ``flash_mla_sparse_fwd`` (reference: ``zerodiff.reference.
   sparse_attention``).
 * ``sparse_mla_attention(q, cache, block_table, req_ids, positions, sm_scale, *, attn_sink=None,
-  d_nope=512, d_rope=64, rows_per_chunk=256, check=True, backend=None) -> (out, lse)``: THE read path.
+  d_nope=512, d_rope=64, seq_lens=None, rows_per_chunk=256, workspace="per_row", check=True, backend=None,
+  gather_backend=None) -> (out, lse)``: THE read path.
   Query row r attends to the request-local ``positions[r]`` (int32 [Q, W], e.g. the DSA Top-K output,
   -1 = empty) of request ``req_ids[r]``: ``kv_cache.gather_kv`` dequantises those positions into a
   per-row BF16 workspace [rows, W, d_nope + d_rope] (W from model limits: max top-k plus window), then
   ``sparse_attention`` runs over it with indices ``r * W + j`` in the given order. Prefill, chunked
   prefill, decode and training all call this; query rows are processed in fixed chunks of
   ``rows_per_chunk`` (a memory bound only: no row's result depends on the chunking).
+  ``workspace="per_request"`` (prefill/training, needs ``seq_lens``): the same gather kernel dequantises
+  each request's positions 0..len-1 once into a dense workspace and rows index it at their positions:
+  the same values in the same order, so the same bits as "per_row" (tested), with far less traffic when
+  many rows share a request; it synchronises with the host (data-dependent size), so not inside graphs.
 
 Backends for ``sparse_attention``: ``"flashmla"`` (``flash_mla_sparse_fwd`` via ``zerodiff.backends``,
 SM90/SM100), ``"triton"`` (our fallback), ``"reference"`` (float64 torch). ``None`` picks flashmla on a
@@ -221,12 +226,18 @@ def sparse_attention(q, kv, indices, sm_scale: float, *, d_v: int = 512, attn_si
 
 def sparse_mla_attention(q, cache, block_table, req_ids, positions, sm_scale: float, *, attn_sink=None,
                          d_nope: int = 512, d_rope: int = 64, seq_lens=None, rows_per_chunk: int = 256,
-                         check: bool = True, backend=None, gather_backend=None):
+                         workspace: str = "per_row", check: bool = True, backend=None, gather_backend=None):
     Q = q.shape[0]
     if positions.dim() != 2 or positions.shape[0] != Q:
         raise ValueError(f"zerodiff.sparse_attention: positions must be int32 [{Q}, W], got {tuple(positions.shape)}")
     if rows_per_chunk <= 0:
         raise ValueError(f"zerodiff.sparse_attention: rows_per_chunk={rows_per_chunk} must be positive")
+    D = d_nope + d_rope
+    if workspace == "per_request":
+        return _per_request(q, cache, block_table, req_ids, positions, sm_scale, attn_sink, d_nope, d_rope,
+                            seq_lens, check, backend, gather_backend)
+    if workspace != "per_row":
+        raise ValueError(f"zerodiff.sparse_attention: workspace={workspace!r} (use 'per_row' or 'per_request')")
     W = positions.shape[1]
     outs, lses = [], []
     for r0 in range(0, Q, rows_per_chunk):
@@ -234,7 +245,7 @@ def sparse_mla_attention(q, cache, block_table, req_ids, positions, sm_scale: fl
         ws = _kv.gather_kv(cache, block_table, req_ids[r0:r1], positions[r0:r1], seq_lens=seq_lens,
                            d_nope=d_nope, d_rope=d_rope, check=check, backend=gather_backend)
         idx = _kv.workspace_indices(positions[r0:r1])
-        o, l = sparse_attention(q[r0:r1], ws.view((r1 - r0) * W, d_nope + d_rope), idx, sm_scale,
+        o, l = sparse_attention(q[r0:r1], ws.view((r1 - r0) * W, D), idx, sm_scale,
                                 d_v=d_nope, attn_sink=attn_sink, backend=backend)
         outs.append(o)
         lses.append(l)
@@ -245,6 +256,29 @@ def sparse_mla_attention(q, cache, block_table, req_ids, positions, sm_scale: fl
         return (torch.empty(0, H, d_nope, dtype=torch.bfloat16, device=q.device),
                 torch.empty(0, H, dtype=torch.float32, device=q.device))
     return torch.cat(outs), torch.cat(lses)
+
+
+def _per_request(q, cache, block_table, req_ids, positions, sm_scale, attn_sink, d_nope, d_rope, seq_lens,
+                 check, backend, gather_backend):
+    """Prefill layout: each request's first seq_lens[req] positions dequantised once into a dense workspace
+    (the same gather kernel, positions 0..len-1), query rows index it at (request slot * Lmax + position).
+    Same values, same index order as the per-row layout, so the same bits (tested); far less traffic when
+    many query rows share a request. Host-synchronising (data-dependent workspace size): not for graphs."""
+    if seq_lens is None:
+        raise ValueError("zerodiff.sparse_attention: workspace='per_request' needs seq_lens")
+    D = d_nope + d_rope
+    if check:
+        _kv._check_gather_values(cache, block_table, req_ids, positions, seq_lens)
+    reqs = torch.unique(req_ids)
+    lens = seq_lens.to(torch.int64)[reqs.long()]
+    Lmax = max(int(lens.max()) if reqs.numel() else 1, 1)
+    ar = torch.arange(Lmax, device=positions.device, dtype=torch.int64)[None, :]
+    dense = torch.where(ar < lens[:, None], ar, torch.full_like(ar, -1)).to(torch.int32)
+    ws = _kv.gather_kv(cache, block_table, reqs.to(torch.int32), dense, d_nope=d_nope, d_rope=d_rope,
+                       check=False, backend=gather_backend)
+    slot = torch.searchsorted(reqs, req_ids).to(torch.int64)[:, None]
+    idx = torch.where(positions >= 0, slot * Lmax + positions.long(), torch.full_like(slot, -1)).to(torch.int32)
+    return sparse_attention(q, ws.view(-1, D), idx, sm_scale, d_v=d_nope, attn_sink=attn_sink, backend=backend)
 
 
 def default_sm_scale(d_qk: int = 576) -> float:
