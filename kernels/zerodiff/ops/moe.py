@@ -1,0 +1,422 @@
+"""MoE routing and routed experts with one value per token in both dispatch layouts.
+
+Public API::
+
+    route(logits, k, *, scoring="softmax", bias=None, renormalize=True, routed_scale=1.0, backend=None)
+        -> (weights fp32 [T, k], ids int32 [T, k])
+    MoEWeights(w13: Fp8Weight [E, 2I, H], w2: Fp8Weight [E, H, I])      (list of per-expert Fp8Weight accepted)
+    MoEWeights.from_master(w13_bf16 [E, 2I, H], w2_bf16 [E, H, I], *, ue8m0=False, backend=None)
+    MoEWeights.requantize_(w13_bf16, w2_bf16)                              (same storage)
+    moe_experts(x, weights, ids, experts, *, layout="contiguous"|"masked", capacity=None, clamp_limit=None,
+                backend=None, validate=False, act_backend=None) -> fp32 [T, H]
+        # additions: validate=True checks ids (range, uniqueness per token; host sync);
+        # act_backend overrides the SiLU*mul->FP8 step's backend (CPU tests: "reference" is fast there)
+    shared_expert(x, w13: Fp8Weight [2I, H], w2: Fp8Weight [H, I], *, clamp_limit=None, backend=None) -> bf16 [T, H]
+    finish(routed_fp32, shared_bf16=None) -> bf16 [T, H]        (the one rounding at the end)
+    plan_dispatch(ids, num_experts, *, layout, capacity=None) -> DispatchPlan   (index maps; also for tests)
+    combine(y, dest, weights, *, backend=None) -> fp32 [T, H]
+    ALIGN  (= 64: contiguous-layout alignment and GEMM row-tile height; a static constant, never from M)
+
+Routing contract (``route``):
+
+* ``scores`` from ``logits`` (FP32 [T, E]) per row in FP32, one row per program (Triton) with a fixed
+  reduction tree: ``softmax`` (``m = max``, ``e = exp(x - m)``, ``s = sum(e)``, ``p = e / s``),
+  ``sigmoid`` (``1 / (1 + exp(-x))``), ``sqrtsoftplus`` (``sqrt(softplus(x))``, softplus = ``x`` above 20,
+  else ``log1p(exp(x))`` computed as ``log(u) * y / (u - 1)`` with ``y = exp(x)``, ``u = 1 + y``; ``y`` when
+  ``u == 1``). ``exp``/``log`` are the GPU's (``tl.exp``); the value is the same on both RL sides because
+  both call this function.
+* Selection: :func:`zerodiff.ops.topk.deterministic_topk` on ``scores + bias`` (FP32 add; ``bias=None``:
+  on ``scores``): the k largest, ties to the larger expert id; slot order = the Top-K output order,
+  i.e. **expert id descending**.
+* ``weights[t, j] = scores[t, ids[t, j]]`` (unbiased); with ``renormalize``: divided (RNE) by
+  ``((w0 + w1) + w2) + ...`` summed in slot order; then multiplied by FP32 ``routed_scale`` (skipped at 1.0).
+  Group-limited routing (n_group / topk_group) is not implemented.
+
+Experts contract (``moe_experts``), per token t and slot j (``e = ids[t, j]``):
+
+1. ``xq, xs = quant_act(x)`` once per token (1x128 groups, the experts' scale variant);
+2. ``h = grouped FP8 GEMM(xq[t], w13[e])`` -> BF16 [2I] (kernel of :mod:`zerodiff.ops.fp8_gemm`, per-row
+   math independent of the layout, of M and of the row's position);
+3. ``a = silu_mul_quant_fp8(h)`` (:mod:`zerodiff.ops.silu_mul_quant`; its masked variant in the masked
+   layout, per-row identical by its contract);
+4. ``y = grouped FP8 GEMM(a, w2[e])`` -> BF16 [H];
+5. combine on the token's owner: ``acc = +0; for j in 0..k-1: acc = acc + fp32(weights[t, j]) * fp32(y_j)``
+   (one FP32 multiply and one FP32 add per slot, in slot order, FP fusion off), returned in FP32.
+   The caller adds the shared expert in FP32 and rounds once (:func:`finish`).
+
+So a token's output never depends on the layout, the other tokens, the expert loads, the capacity or the
+padding. Slots with ``ids == -1`` (Top-K padding) contribute nothing (their row is a zero dump row and their
+weight is replaced by 0). Expert ids must be unique within a token (a property of the Top-K; checked when
+``validate=True``).
+
+Layouts (seed 4.4):
+
+* ``"contiguous"`` (training): rows packed by expert in ascending expert order, inside an expert in
+  (token, slot) order; each expert's segment padded to a multiple of :data:`ALIGN` with zero rows. The
+  buffer has a static size ``roundup(T*k + min(E, T*k) * (ALIGN - 1), ALIGN)`` rows; row tiles past the last
+  segment are skipped.
+* ``"masked"`` (rollout, DeepEP low-latency style): ``[E, capacity, H]`` with per-expert ``counts``; a
+  static ``capacity`` (rounded up internally to a multiple of ALIGN). Overflow (an expert receiving more than
+  ``capacity`` rows) raises ``ValueError`` naming the capacity; the check needs a host sync and is skipped
+  when ``capacity >= T`` (overflow impossible: a token reaches an expert at most once), which is the
+  CUDA-graph-safe setting.
+
+Backends: ``None`` (Triton on CUDA, reference GEMMs/activation on CPU), ``"triton"``, ``"reference"``.
+``"deepgemm"`` is refused: DeepGEMM's grouped contiguous/masked kernels pick tiles from the expected M and
+have not been verified row- and layout-invariant (see docs/kernels-gemm.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import _triton
+from .._triton import HAVE_TRITON, LAUNCH_OPTS
+from . import fp8_gemm as _g
+from .fp8_quant import Fp8Weight, quant_act
+
+ALIGN = _g.BLOCK_M
+_SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _score_kernel(l_ptr, o_ptr, E, stride_l, stride_o, SCORING: tl.constexpr, BLOCK_E: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_E)
+        mask = cols < E
+        x = tl.load(l_ptr + row * stride_l + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if SCORING == 0:
+            m = tl.max(x, axis=0)
+            ex = tl.exp(x - m)
+            ex = tl.where(mask, ex, 0.0)
+            s = tl.sum(ex, axis=0)
+            p = tl.div_rn(ex, tl.full(ex.shape, 1.0, tl.float32) * s)
+        elif SCORING == 1:
+            one = tl.full(x.shape, 1.0, tl.float32)
+            p = tl.div_rn(one, one + tl.exp(-x))
+        else:
+            y = tl.exp(x)
+            u = 1.0 + y
+            lp = tl.where(u == 1.0, y, tl.div_rn(tl.log(u) * y, u - 1.0))
+            sp = tl.where(x > 20.0, x, lp)
+            p = tl.sqrt_rn(sp)
+        tl.store(o_ptr + row * stride_o + cols, p, mask=mask)
+
+    @triton.jit
+    def _combine_kernel(y_ptr, d_ptr, w_ptr, o_ptr, H, stride_y, stride_d, stride_w, stride_o,
+                        K: tl.constexpr, BLOCK_H: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = cols < H
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for j in tl.static_range(K):
+            d = tl.load(d_ptr + t * stride_d + j).to(tl.int64)
+            w = tl.load(w_ptr + t * stride_w + j)
+            y = tl.load(y_ptr + d * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+            acc = acc + w * y
+        tl.store(o_ptr + t * stride_o + cols, acc, mask=mask)
+
+
+def _use_triton(backend, t: torch.Tensor, name: str) -> bool:
+    if backend is None:
+        return t.is_cuda and _triton.triton_usable_for(t.device)
+    if backend == "deepgemm":
+        raise ValueError(f"zerodiff.moe.{name}: backend='deepgemm' refused: DeepGEMM's grouped FP8 kernels are "
+                         "not verified row- and layout-invariant; use 'triton' on both RL sides")
+    if backend not in ("triton", "reference"):
+        raise ValueError(f"zerodiff.moe.{name}: unknown backend={backend!r} (None, 'triton' or 'reference')")
+    if backend == "triton":
+        _triton.require_triton()
+        if not _triton.triton_usable_for(t.device):
+            raise RuntimeError(f"zerodiff.moe.{name}: backend='triton' cannot run on {t.device} here")
+        return True
+    return False
+
+
+# ------------------------------------------------------------------------------------------------ routing
+def _scores_ref(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    x = logits.to(torch.float32)
+    if scoring == "softmax":
+        m = x.amax(dim=-1, keepdim=True)
+        ex = torch.exp(x - m)
+        return ex / ex.sum(dim=-1, keepdim=True)
+    if scoring == "sigmoid":
+        return 1.0 / (1.0 + torch.exp(-x))
+    y = torch.exp(x)
+    u = 1.0 + y
+    lp = torch.where(u == 1.0, y, (torch.log(u) * y) / (u - 1.0))
+    return torch.sqrt(torch.where(x > 20.0, x, lp))
+
+
+def routing_scores(logits: torch.Tensor, scoring: str = "softmax", *, backend=None) -> torch.Tensor:
+    """FP32 scores [T, E] from router logits, one row per program (see module contract)."""
+    if scoring not in _SCORING:
+        raise ValueError(f"zerodiff.moe.route: scoring={scoring!r} unknown (softmax|sigmoid|sqrtsoftplus)")
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"zerodiff.moe.route: logits must be fp32 [T, E], got {logits.dtype} {tuple(logits.shape)}")
+    if not _use_triton(backend, logits, "route"):
+        return _scores_ref(logits, scoring)
+    T, E = logits.shape
+    out = torch.empty((T, E), dtype=torch.float32, device=logits.device)
+    if T:
+        BLOCK_E = triton.next_power_of_2(max(E, 16))
+        _score_kernel[(T,)](logits, out, E, logits.stride(0), out.stride(0), SCORING=_SCORING[scoring],
+                            BLOCK_E=BLOCK_E, num_warps=4 if BLOCK_E >= 512 else 1, **LAUNCH_OPTS)
+    return out
+
+
+def route(logits: torch.Tensor, k: int, *, scoring: str = "softmax", bias=None, renormalize: bool = True,
+          routed_scale: float = 1.0, backend=None):
+    """(weights fp32 [T, k], ids int32 [T, k]); slot order = expert id descending (see module contract)."""
+    from .topk import deterministic_topk
+
+    scores = routing_scores(logits, scoring, backend=backend)
+    T, E = scores.shape
+    if not isinstance(k, int) or not 1 <= k <= E:
+        raise ValueError(f"zerodiff.moe.route: k={k!r} must be an int in [1, E={E}]")
+    sel = scores
+    if bias is not None:
+        if bias.shape != (E,) or bias.dtype != torch.float32:
+            raise ValueError(f"zerodiff.moe.route: bias must be fp32 [{E}], got {bias.dtype} {tuple(bias.shape)}")
+        sel = scores + bias[None, :]
+    tk_backend = "reference" if backend == "reference" else backend
+    ids = deterministic_topk(sel, k, backend=tk_backend)
+    w = scores.gather(1, ids.long().clamp(min=0))
+    w = torch.where(ids >= 0, w, torch.zeros((), dtype=w.dtype, device=w.device))
+    if renormalize:
+        denom = w[:, 0]
+        for j in range(1, k):
+            denom = denom + w[:, j]
+        w = w / denom[:, None]
+    if routed_scale != 1.0:
+        w = w * torch.tensor(routed_scale, dtype=torch.float32, device=w.device)
+    return w.contiguous(), ids.to(torch.int32).contiguous()
+
+
+# ------------------------------------------------------------------------------------------------ weights
+@dataclass
+class MoEWeights:
+    """Routed-expert FP8 weights, stacked: ``w13.q [E, 2I, H]`` (gate rows first, then up), ``w2.q [E, H, I]``."""
+
+    w13: Fp8Weight
+    w2: Fp8Weight
+
+    def __post_init__(self):
+        if isinstance(self.w13, (list, tuple)):
+            self.w13 = _stack(self.w13, "w13")
+        if isinstance(self.w2, (list, tuple)):
+            self.w2 = _stack(self.w2, "w2")
+        if self.w13.q.dim() != 3 or self.w2.q.dim() != 3:
+            raise ValueError("zerodiff.moe: MoEWeights needs stacked [E, N, K] Fp8Weights (or lists of 2-D ones)")
+        E, I2, H = self.w13.q.shape
+        if tuple(self.w2.q.shape) != (E, H, I2 // 2) or I2 % 2:
+            raise ValueError(f"zerodiff.moe: w13 {tuple(self.w13.q.shape)} and w2 {tuple(self.w2.q.shape)} "
+                             "do not match ([E, 2I, H] and [E, H, I])")
+        if self.w13.ue8m0 != self.w2.ue8m0:
+            raise ValueError("zerodiff.moe: w13 and w2 use different scale variants (ue8m0)")
+
+    @classmethod
+    def from_master(cls, w13: torch.Tensor, w2: torch.Tensor, *, ue8m0: bool = False, backend=None):
+        return cls(Fp8Weight.from_master(w13, ue8m0=ue8m0, backend=backend),
+                   Fp8Weight.from_master(w2, ue8m0=ue8m0, backend=backend))
+
+    def requantize_(self, w13: torch.Tensor, w2: torch.Tensor, *, backend=None):
+        self.w13.requantize_(w13, backend=backend)
+        self.w2.requantize_(w2, backend=backend)
+        return self
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.q.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.w13.q.shape[2]
+
+    @property
+    def inter(self) -> int:
+        return self.w13.q.shape[1] // 2
+
+
+def _stack(ws, name):
+    if not ws or any(w.q.dim() != 2 for w in ws):
+        raise ValueError(f"zerodiff.moe: {name} list must hold 2-D Fp8Weights")
+    return Fp8Weight(torch.stack([w.q for w in ws]), torch.stack([w.scale for w in ws]), ws[0].ue8m0)
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+@dataclass
+class DispatchPlan:
+    """Index maps of one dispatch. ``dest [T, k]`` int64: buffer row of slot (t, j) (``dump`` for id -1);
+    ``counts [E]`` int32 rows per expert; ``tile_expert [rows / ALIGN]`` int32 (-1: skipped tile);
+    ``rows``: buffer rows used by the GEMMs; ``dump``: index of the extra zero row (== rows);
+    ``cap_pad``: masked layout's per-expert rows (capacity rounded up to ALIGN), else 0."""
+
+    layout: str
+    dest: torch.Tensor
+    counts: torch.Tensor
+    tile_expert: torch.Tensor
+    rows: int
+    dump: int
+    cap_pad: int = 0
+
+
+def plan_dispatch(ids: torch.Tensor, num_experts: int, *, layout: str = "contiguous", capacity=None,
+                  validate: bool = False) -> DispatchPlan:
+    """Where each (token, slot) row goes in the packed buffer. Device ops only (no host sync) except the
+    masked-layout overflow check when ``capacity < T`` and ``validate=True`` checks."""
+    if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"zerodiff.moe: ids must be int32 [T, k], got {ids.dtype} {tuple(ids.shape)}")
+    T, k = ids.shape
+    E = int(num_experts)
+    dev = ids.device
+    flat = ids.reshape(-1).to(torch.int64)
+    valid = flat >= 0
+    if validate:
+        if bool((flat >= E).any()):
+            raise ValueError(f"zerodiff.moe: ids contain expert ids >= num_experts={E}")
+        if bool((flat < -1).any()):
+            raise ValueError("zerodiff.moe: ids contain values < -1")
+        s = torch.sort(ids.to(torch.int64), dim=1).values
+        if bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()):
+            raise ValueError("zerodiff.moe: a token is routed to the same expert twice (ids not unique per row)")
+    key = torch.where(valid, flat, torch.full_like(flat, E))
+    order = torch.argsort(key, stable=True)
+    counts64 = torch.bincount(key, minlength=E + 1)[: E + 1]
+    starts = torch.cumsum(counts64, 0) - counts64
+    rank_sorted = torch.arange(T * k, device=dev) - starts[key[order]]
+    rank = torch.empty_like(rank_sorted)
+    rank[order] = rank_sorted
+    counts = counts64[:E]
+    if layout == "contiguous":
+        padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+        seg_end = torch.cumsum(padded, 0)
+        seg_start = seg_end - padded
+        rows = T * k + min(E, T * k) * (ALIGN - 1)
+        rows = (rows + ALIGN - 1) // ALIGN * ALIGN
+        dest = seg_start[key.clamp(max=E - 1)] + rank
+        n_tiles = rows // ALIGN
+        tile_start = torch.arange(n_tiles, device=dev, dtype=torch.int64) * ALIGN
+        te = torch.searchsorted(seg_end, tile_start, right=True)
+        tile_expert = torch.where(te < E, te, torch.full_like(te, -1)).to(torch.int32)
+        cap_pad = 0
+    elif layout == "masked":
+        if capacity is None or int(capacity) < 1:
+            raise ValueError(f"zerodiff.moe: layout='masked' needs a static capacity >= 1, got capacity={capacity!r}")
+        capacity = int(capacity)
+        if capacity < T:
+            cmax = int(counts.max()) if E else 0
+            if cmax > capacity:
+                e_bad = int(torch.argmax(counts))
+                raise ValueError(f"zerodiff.moe: masked layout overflow: expert {e_bad} receives {cmax} rows but "
+                                 f"capacity={capacity}; raise capacity (capacity >= T={T} can never overflow)")
+        cap_pad = (capacity + ALIGN - 1) // ALIGN * ALIGN
+        rows = E * cap_pad
+        dest = key.clamp(max=E - 1) * cap_pad + rank
+        tpe = cap_pad // ALIGN
+        ti = torch.arange(E * tpe, device=dev, dtype=torch.int64)
+        e_of = ti // tpe
+        local = (ti % tpe) * ALIGN
+        tile_expert = torch.where(local < counts[e_of], e_of, torch.full_like(e_of, -1)).to(torch.int32)
+    else:
+        raise ValueError(f"zerodiff.moe: layout={layout!r} unknown (use 'contiguous' or 'masked')")
+    dest = torch.where(valid, dest, torch.full_like(dest, rows)).reshape(T, k)
+    return DispatchPlan(layout, dest, counts.to(torch.int32), tile_expert, rows, rows, cap_pad)
+
+
+def combine(y: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor, *, backend=None) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * fp32(y[dest[t, j]])`` in slot order j = 0..k-1 from +0, FP32."""
+    T, k = dest.shape
+    H = y.shape[1]
+    if not _use_triton(backend, y, "combine"):
+        out = torch.zeros((T, H), dtype=torch.float32, device=y.device)
+        for j in range(k):
+            out = out + weights[:, j : j + 1] * y[dest[:, j]].to(torch.float32)
+        return out
+    out = torch.empty((T, H), dtype=torch.float32, device=y.device)
+    if T == 0:
+        return out
+    w = weights.contiguous()
+    d = dest.contiguous()
+    BLOCK_H = 1024
+    _combine_kernel[(T, triton.cdiv(H, BLOCK_H))](y, d, w, out, H, y.stride(0), d.stride(0), w.stride(0),
+                                                  out.stride(0), K=k, BLOCK_H=BLOCK_H, num_warps=4, **LAUNCH_OPTS)
+    return out
+
+
+def _act(h, plan, clamp_limit, ue8m0, be):
+    from . import silu_mul_quant as smq
+
+    if plan.layout == "masked":
+        E = plan.counts.shape[0]
+        h3 = h[: plan.rows].view(E, plan.cap_pad, h.shape[1])
+        q, s = smq.silu_mul_quant_fp8_masked(h3, plan.counts, clamp_limit=clamp_limit, ue8m0=ue8m0, backend=be)
+        return q.view(plan.rows, -1), s.view(plan.rows, -1)
+    return smq.silu_mul_quant_fp8(h[: plan.rows], clamp_limit=clamp_limit, ue8m0=ue8m0, backend=be)
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: MoEWeights, *,
+                layout: str = "contiguous", capacity=None, clamp_limit=None, backend=None,
+                validate: bool = False, act_backend=None) -> torch.Tensor:
+    """Routed experts, combined per token in FP32 in slot order -> fp32 [T, H] (see module contract)."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"zerodiff.moe: x must be bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
+    if not isinstance(experts, MoEWeights):
+        raise ValueError("zerodiff.moe: experts must be a MoEWeights")
+    T, H = x.shape
+    if H != experts.hidden:
+        raise ValueError(f"zerodiff.moe: x has H={H}, experts have H={experts.hidden}")
+    if weights.shape != ids.shape or weights.dtype != torch.float32 or ids.shape[0] != T:
+        raise ValueError(f"zerodiff.moe: weights must be fp32 with the shape of ids [T={T}, k], got "
+                         f"{weights.dtype} {tuple(weights.shape)} and ids {tuple(ids.shape)}")
+    use_triton = _use_triton(backend, x, "moe_experts")
+    gbe = "triton" if use_triton else "reference"
+    E = experts.num_experts
+    ue8m0 = experts.w13.ue8m0
+    plan = plan_dispatch(ids, E, layout=layout, capacity=capacity, validate=validate)
+    dev = x.device
+    xq, xs = quant_act(x, ue8m0=ue8m0, backend=gbe)
+    k = ids.shape[1]
+    tok = torch.arange(T, device=dev).repeat_interleave(k)
+    a_u8 = torch.zeros((plan.rows + 1, H), dtype=torch.uint8, device=dev)
+    a_s = torch.zeros((plan.rows + 1, xs.shape[1]), dtype=torch.float32, device=dev)
+    d = plan.dest.reshape(-1)
+    a_u8[d] = xq.view(torch.uint8)[tok]
+    a_s[d] = xs[tok]
+    a_q = a_u8[: plan.rows].view(torch.float8_e4m3fn)
+    a_s = a_s[: plan.rows]
+    h = _g.grouped_fp8_gemm(a_q, a_s, experts.w13.q, experts.w13.scale, plan.tile_expert, backend=gbe)
+    if act_backend not in (None, "triton", "reference"):
+        raise ValueError(f"zerodiff.moe: act_backend={act_backend!r} (None, 'triton' or 'reference')")
+    hq, hs = _act(h, plan, clamp_limit, ue8m0, act_backend or gbe)
+    y = torch.zeros((plan.rows + 1, H), dtype=torch.bfloat16, device=dev)
+    _g.grouped_fp8_gemm(hq, hs, experts.w2.q, experts.w2.scale, plan.tile_expert, backend=gbe, out=y[: plan.rows])
+    w = torch.where(ids >= 0, weights, torch.zeros((), dtype=weights.dtype, device=dev))
+    return combine(y, plan.dest, w, backend=gbe)
+
+
+def shared_expert(x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, *, clamp_limit=None, backend=None):
+    """Shared expert: ``fp8_linear(x, w13)`` -> SiLU*mul -> FP8 -> ``fp8_gemm(., w2)`` -> bf16 [T, H]."""
+    from . import silu_mul_quant as smq
+
+    h = _g.fp8_linear(x, w13, backend=backend)
+    if backend == "reference":
+        sbe = "reference"
+    elif x.is_cuda:
+        sbe = "triton"
+    else:
+        sbe = "triton" if backend == "triton" else "reference"
+    q, s = smq.silu_mul_quant_fp8(h, clamp_limit=clamp_limit, ue8m0=w2.ue8m0, backend=sbe)
+    return _g.fp8_gemm(q, s, w2.q, w2.scale, backend=backend, ue8m0=w2.ue8m0)
+
+
+def finish(routed: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """``bf16(routed_fp32 + fp32(shared_bf16))``: the one rounding of the MoE block's output."""
+    if shared is None:
+        return routed.to(torch.bfloat16)
+    return (routed + shared.to(torch.float32)).to(torch.bfloat16)
