@@ -153,6 +153,31 @@ def test_per_request_workspace_equals_per_row(seeded):
         sa.sparse_mla_attention(q, cache, bt, req, pos, 0.2, workspace="per_request", **SMALL)
 
 
+def test_fused_fp8_read_equals_workspace_path(seeded):
+    """The Triton kernel reading the FP8 cache directly == gather into the workspace + the same kernel, bitwise,
+    including a sink, -1 padding, rows alone and in a batch; a table hole poisons only its row."""
+    g = seeded()
+    lens = [40, 19]
+    cache, bt = _request_cache(g, lens, SMALL)
+    W, H = 24, 4
+    pos = torch.cat([_causal_positions(g, L, W) for L in lens])
+    req = torch.cat([torch.full((L,), b, dtype=torch.int32) for b, L in enumerate(lens)])
+    q = torch.randn(len(req), H, 144, generator=g).to(torch.bfloat16)
+    sink = torch.tensor([0.3, -0.2, 1.0, 0.0])
+    kw = dict(attn_sink=sink, **SMALL)
+    a = sa.sparse_mla_attention(q, cache, bt, req, pos, 0.15, backend="triton", gather_backend="triton", **kw)
+    b = sa.sparse_mla_attention_fp8(q, cache, bt, req, pos, 0.15, **kw)
+    assert _same(a, b)
+    one = sa.sparse_mla_attention_fp8(q[45:46], cache, bt, req[45:46], pos[45:46], 0.15, **kw)
+    assert _same((a[0][45:46], a[1][45:46]), one)
+    bad = pos[:2].clone()
+    bad[0, 0] = 7 * 8 + 1  # block 7 of request 0 does not exist -> past the table
+    with pytest.raises(ValueError, match="longer than the table"):
+        sa.sparse_mla_attention_fp8(q[:2], cache, bt, req[:2], bad, 0.15, **kw)
+    o, _ = sa.sparse_mla_attention_fp8(q[:2], cache, bt, req[:2], bad, 0.15, check=False, **kw)
+    assert bool(o[0].isnan().all()) and not bool(o[1].isnan().any())
+
+
 def test_negative_control_reversed_index_order_changes_bits(seeded):
     g = seeded()
     Q, H, S, K = 4, 4, 200, 96

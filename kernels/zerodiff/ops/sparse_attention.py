@@ -65,13 +65,53 @@ if HAVE_TRITON:
     from .._triton import cast_bf16
 
     @triton.jit
+    def _load_kv_rows(kv_ptr, kv_s0, S, idx, cache_ptr, bt_ptr, bt_s0, req, num_blocks, max_blocks,
+                      D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BPT: tl.constexpr,
+                      FROM_CACHE: tl.constexpr, EXACT: tl.constexpr):
+        """(k_nope bf16 [N, D_V], k_rope bf16 [N, D_R], valid [N]) for one block of the index list: from the
+        BF16 workspace, or straight from the FP8 paged cache with the gather kernel's exact dequant."""
+        dv = tl.arange(0, D_V)
+        dr = tl.arange(0, D_R)
+        if FROM_CACHE:
+            # idx = request-local positions; the same block resolution and dequant as kv_cache.gather_kv
+            valid = idx >= 0
+            lb = tl.where(valid, idx // BLOCK_SIZE, 0)
+            in_table = lb < max_blocks
+            blk = tl.load(bt_ptr + req * bt_s0 + lb, mask=valid & in_table, other=-1).to(tl.int64)
+            ok = valid & in_table & (blk >= 0) & (blk < num_blocks)
+            bad = valid & (~ok)
+            base = cache_ptr + tl.where(ok, blk * BLOCK_SIZE + idx % BLOCK_SIZE, 0) * BPT
+            code = tl.load(base[:, None] + dv[None, :], mask=ok[:, None], other=0)
+            sc = tl.load((base[:, None] + D_V).to(tl.pointer_type(tl.float32)) + dv[None, :] // 128,
+                         mask=ok[:, None], other=0.0)
+            kn = cast_bf16(code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc, EXACT)
+            G: tl.constexpr = D_V // 128
+            kr = tl.load((base[:, None] + D_V + 4 * G).to(tl.pointer_type(tl.bfloat16)) + dr[None, :],
+                         mask=ok[:, None], other=0.0)
+            nan = tl.full([1, 1], float("nan"), tl.float32).to(tl.bfloat16)
+            kn = tl.where(bad[:, None], nan, kn)
+            kr = tl.where(bad[:, None], nan, kr)
+        else:
+            valid = (idx >= 0) & (idx < S)
+            row = kv_ptr + tl.where(valid, idx, 0) * kv_s0
+            kn = tl.load(row[:, None] + dv[None, :], mask=valid[:, None], other=0.0)
+            kr = tl.load(row[:, None] + D_V + dr[None, :], mask=valid[:, None], other=0.0)
+        return kn, kr, valid
+
+    @triton.jit
     def _sparse_attn_kernel(
         q_ptr, q_s0, q_s1, kv_ptr, kv_s0, idx_ptr, idx_s0, sink_ptr, out_ptr, o_s0, o_s1, lse_ptr, lse_s0,
         H, K, S, scale_log2,
+        cache_ptr, bt_ptr, bt_s0, req_ptr, num_blocks, max_blocks,
         D_V: tl.constexpr, D_R: tl.constexpr, HAS_SINK: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr,
+        FROM_CACHE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BPT: tl.constexpr,
     ):
         r = tl.program_id(0).to(tl.int64)
+        if FROM_CACHE:
+            req = tl.load(req_ptr + r).to(tl.int64)
+        else:
+            req = r
         hb = tl.program_id(1)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hm = h < H
@@ -89,10 +129,8 @@ if HAVE_TRITON:
         for n0 in range(0, K, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             idx = tl.load(idx_ptr + r * idx_s0 + n, mask=n < K, other=-1).to(tl.int64)
-            valid = (idx >= 0) & (idx < S)
-            row = kv_ptr + tl.where(valid, idx, 0) * kv_s0
-            kn = tl.load(row[:, None] + dv[None, :], mask=valid[:, None], other=0.0)
-            kr = tl.load(row[:, None] + D_V + dr[None, :], mask=valid[:, None], other=0.0)
+            kn, kr, valid = _load_kv_rows(kv_ptr, kv_s0, S, idx, cache_ptr, bt_ptr, bt_s0, req, num_blocks,
+                                          max_blocks, D_V, D_R, BLOCK_SIZE, BPT, FROM_CACHE, EXACT)
             if EXACT:
                 kn = kn.to(tl.float32)
                 kr = kr.to(tl.float32)
@@ -218,8 +256,60 @@ def sparse_attention(q, kv, indices, sm_scale: float, *, d_v: int = 512, attn_si
         q, q.stride(0), q.stride(1), kv2, kv2.stride(0), idx2, idx2.stride(0), sink,
         out, out.stride(0), out.stride(1), lse, lse.stride(0),
         H, idx2.shape[1], kv2.shape[0], float(sm_scale) * LOG2E,
+        lse, lse, 0, lse, 0, 0,
         D_V=d_v, D_R=D - d_v, HAS_SINK=attn_sink is not None,
-        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, EXACT=_triton.EXACT_CASTS, num_warps=4, **LAUNCH_OPTS,
+        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, EXACT=_triton.EXACT_CASTS, FROM_CACHE=False, BLOCK_SIZE=1, BPT=1,
+        num_warps=4, **LAUNCH_OPTS,
+    )
+    return out, lse
+
+
+def sparse_mla_attention_fp8(q, cache, block_table, req_ids, positions, sm_scale: float, *, attn_sink=None,
+                             d_nope: int = 512, d_rope: int = 64, seq_lens=None, check: bool = True, out=None):
+    """Triton only: the fallback kernel reading the FP8 paged cache directly (no BF16 workspace round trip).
+
+    Same arguments and result as ``sparse_mla_attention(..., backend="triton")``, bit for bit: each
+    index block is dequantised in registers with exactly the gather kernel's arithmetic
+    (``bf16(float(code) * scale)``) and fed to the same online-softmax code in the same order.
+    A deployment that picks this path must use it for prefill, decode AND training (its bits differ from
+    the FlashMLA path's, as the two kernels' accumulation orders differ)."""
+    require_triton()
+    if not triton_usable_for(q.device):
+        raise ValueError(f"zerodiff.sparse_attention: the fused FP8 Triton path cannot run on {q.device} here")
+    G = _kv._check_dims(d_nope, d_rope)
+    _kv._check_cache(cache, d_nope, d_rope)
+    D = d_nope + d_rope
+    if q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[2] != D:
+        raise ValueError(f"zerodiff.sparse_attention: q must be bf16 [Q, H, {D}], got {q.dtype} {tuple(q.shape)}")
+    Q, H, _ = q.shape
+    if positions.dtype != torch.int32 or positions.dim() != 2 or positions.shape[0] != Q:
+        raise ValueError(f"zerodiff.sparse_attention: positions must be int32 [{Q}, W], got {positions.dtype} {tuple(positions.shape)}")
+    if req_ids.dtype != torch.int32 or tuple(req_ids.shape) != (Q,):
+        raise ValueError(f"zerodiff.sparse_attention: req_ids must be int32 [{Q}], got {req_ids.dtype} {tuple(req_ids.shape)}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError(f"zerodiff.sparse_attention: block_table must be int32 [B, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
+    if attn_sink is not None and (attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (H,)):
+        raise ValueError(f"zerodiff.sparse_attention: attn_sink must be fp32 [{H}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
+    if check:
+        _kv._check_gather_values(cache, block_table, req_ids, positions, seq_lens)
+    del G
+    if out is None:
+        out = torch.empty(Q, H, d_nope, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(Q, H, dtype=torch.float32, device=q.device)
+    if Q == 0:
+        return out, lse
+    q = q if q.stride(2) == 1 else q.contiguous()
+    positions = positions if positions.stride(1) == 1 else positions.contiguous()
+    block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    sink = attn_sink if attn_sink is not None else lse
+    _sparse_attn_kernel[(Q, triton.cdiv(H, BLOCK_H))](
+        q, q.stride(0), q.stride(1), lse, 0, positions, positions.stride(0), sink,
+        out, out.stride(0), out.stride(1), lse, lse.stride(0),
+        H, positions.shape[1], 0, float(sm_scale) * LOG2E,
+        cache, block_table, block_table.stride(0), req_ids, cache.shape[0], block_table.shape[1],
+        D_V=d_nope, D_R=d_rope, HAS_SINK=attn_sink is not None,
+        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, EXACT=_triton.EXACT_CASTS, FROM_CACHE=True,
+        BLOCK_SIZE=cache.shape[1], BPT=cache.shape[2], num_warps=4, **LAUNCH_OPTS,
     )
     return out, lse
 
