@@ -132,3 +132,164 @@ def test_vllm_check_config_off_is_noop():
     bad = fake_vllm_config(tp=8, prefix=True, spec=NS(), mode=_Mode("PIECEWISE"), moe="triton")
     assert zv.check_vllm_config(bad, {}) is False
     assert zv.check_vllm_config(bad, {"ZERODIFF_CONSISTENT": "0"}) is False
+
+
+# ------------------------------------------------------------------------------------ DSA top-k adapters
+from zerodiff.reference.topk import deterministic_topk_ref  # noqa: E402
+
+
+def _tied_rows(g, n, w):
+    x = torch.randint(-6, 6, (n, w), generator=g).float() / 4  # many exact ties
+    x[0, :5] = torch.tensor([0.0, -0.0, 0.0, -0.0, 0.0])  # +-0 ties
+    x[1, 3] = 1e-40  # denormal
+    return x
+
+
+def test_indexer_topk_decode_and_prefill_layouts(seeded):
+    g = seeded()
+    k, w = 16, 96
+    x = _tied_rows(g, 7, w)
+    lens = torch.randint(0, w + 1, (7,), generator=g, dtype=torch.int32)
+    lens[2] = 5  # shorter than k
+    ref = deterministic_topk_ref(x, k, lens)
+    # decode: seq_lens (B, 1), next_n = 1; output written in place into a wider buffer
+    buf = torch.full((9, k), 99, dtype=torch.int32)
+    zv.indexer_topk_decode(x, lens.view(7, 1), 1, buf, k)
+    assert torch.equal(buf[:7], ref) and (buf[7:] == 99).all()
+    # decode with next_n = 2: (B, 1) request lengths -> rows len-1, len
+    req = torch.tensor([10, 40], dtype=torch.int32)
+    out = torch.empty((4, k), dtype=torch.int32)
+    zv.indexer_topk_decode(x[:4], req.view(2, 1), 2, out, k)
+    assert torch.equal(out, deterministic_topk_ref(x[:4], k, torch.tensor([9, 10, 39, 40], dtype=torch.int32)))
+    # prefill, row_starts None: same as decode
+    pre = torch.empty((7, k), dtype=torch.int32)
+    zv.indexer_topk_prefill(x, None, lens, pre, k)
+    assert torch.equal(pre, ref)
+    # prefill with per-row starts: request-local positions (relative to the start)
+    starts = torch.tensor([0, 3, 1, 7, 0, 2, 5], dtype=torch.int32)
+    wide = torch.full((7, w + 8), float("nan"))
+    for r in range(7):
+        wide[r, starts[r]: starts[r] + w] = x[r]
+    pre2 = torch.empty((7, k), dtype=torch.int32)
+    zv.indexer_topk_prefill(wide, starts, starts + lens, pre2, k)
+    assert torch.equal(pre2, ref)
+    # bf16 logits widen exactly
+    xb = x.to(torch.bfloat16)
+    zv.indexer_topk_decode(xb, lens.view(7, 1), 1, buf, k)
+    assert torch.equal(buf[:7], deterministic_topk_ref(xb.float(), k, lens))
+    # negative control: torch.topk's order (score-major) is not the contract order
+    stock = x[:, :w].topk(k, dim=-1).indices.to(torch.int32)
+    full = deterministic_topk_ref(x, k, torch.full((7,), w, dtype=torch.int32))
+    assert not torch.equal(stock, full)
+
+
+def test_indexer_topk_victim_in_batch(seeded):
+    g = seeded()
+    k, w = 8, 64
+    victim = _tied_rows(g, 2, w)[:1]
+    vlen = torch.tensor([50], dtype=torch.int32)
+    alone = torch.empty((1, k), dtype=torch.int32)
+    zv.indexer_topk_decode(victim, vlen.view(1, 1), 1, alone, k)
+    for rnd in range(2):
+        for batch in (2, 15, 17, 33, 65):
+            for where in (0, batch // 2, batch - 1):
+                x = _tied_rows(g, batch, w)
+                lens = torch.randint(0, w + 1, (batch,), generator=g, dtype=torch.int32)
+                x[where], lens[where] = victim[0], vlen[0]
+                out = torch.empty((batch, k), dtype=torch.int32)
+                zv.indexer_topk_decode(x, lens.view(batch, 1), 1, out, k)
+                assert torch.equal(out[where: where + 1], alone), (rnd, batch, where)
+
+
+def test_short_context_fill_contract_order():
+    k, ratio = 8, 4
+    positions = torch.tensor([0, 3, 4, 13, 31, 30], dtype=torch.int64)  # (p+1)//4 <= k: the static bound
+    out = torch.full((8, k), 77, dtype=torch.int32)
+    zv.fill_short_context_topk(out, positions, 6, k, ratio)
+    for r, p in enumerate(positions.tolist()):
+        n = (p + 1) // ratio
+        row = deterministic_topk_ref(torch.randn(1, 64), k, torch.tensor([n], dtype=torch.int32))
+        assert torch.equal(out[r: r + 1], row)
+    assert (out[6:] == 77).all()
+    # negative control: the upstream fill is ascending (0, 1, ..., n-1, -1, ...)
+    n = (13 + 1) // ratio
+    upstream = torch.tensor([j if j < n else -1 for j in range(k)], dtype=torch.int32)
+    assert not torch.equal(out[3], upstream)
+    # static bound: model limit only
+    assert zv.short_context_uses_fill(8192, 4, 2048) and not zv.short_context_uses_fill(8196, 4, 2048)
+    zv.fill_short_context_topk(out, positions, 0, k, ratio)  # no-op
+
+
+# ------------------------------------------------------------------------ MoE SiLU*up -> FP8 adapters
+from zerodiff.reference.silu_mul_quant import silu_mul_quant_fp8_ref  # noqa: E402
+
+
+def _act(g, *shape):
+    x = (torch.randn(*shape, generator=g) * 3).to(torch.bfloat16)
+    x.view(-1)[:4] = torch.tensor([0.0, -0.0, 1e-40, -3.0])
+    return x
+
+
+@pytest.mark.parametrize("fmt", ["FLOAT32", "FLOAT32_CEIL_UE8M0"])
+def test_moe_act_quant_contiguous_layout(seeded, fmt):
+    g = seeded(fmt)
+    M, N = 6, 256
+    x = _act(g, M, 2 * N)
+    out = torch.empty((M, N), dtype=torch.float8_e4m3fn)
+    q, s = zv.moe_act_quant_contiguous(x, out, group_size=128, clamp_limit=7.0, scale_fmt=fmt,
+                                       alpha=1.0, beta=0.0)
+    rq, rs = silu_mul_quant_fp8_ref(x, group=128, clamp_limit=7.0, ue8m0=fmt != "FLOAT32")
+    assert q.data_ptr() == out.data_ptr()
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert s.stride(0) == 1 and s.stride(1) == 8  # MN-major, M padded to a multiple of 4
+    # the enum member itself is accepted too
+    q2, s2 = zv.moe_act_quant_contiguous(x, None, scale_fmt=NS(name=fmt))
+    assert torch.equal(s2, silu_mul_quant_fp8_ref(x, group=128, ue8m0=fmt != "FLOAT32")[1])
+
+
+def test_moe_act_quant_packed_ue8m0(seeded):
+    g = seeded()
+    M, N = 5, 640  # G = 5 groups -> 2 int32 words per row (last one padded)
+    x = _act(g, M, 2 * N)
+    q, s = zv.moe_act_quant_contiguous(x, None, scale_fmt="UE8M0")
+    rq, rs = silu_mul_quant_fp8_ref(x, group=128, ue8m0=True)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert s.dtype == torch.int32 and tuple(s.shape) == (M, 2) and s.stride(0) == 1
+    exps = ((rs.view(torch.int32) >> 23) & 0xFF).tolist()
+    for m in range(M):
+        words = [int(v) & 0xFFFFFFFF for v in s[m].tolist()]
+        got = [(words[i // 4] >> (8 * (i % 4))) & 0xFF for i in range(5)]
+        assert got == exps[m]
+        assert (words[1] >> 8) == 0  # padding bytes are zero
+
+
+def test_moe_act_quant_refuses_swigluoai_and_unknown_format(seeded):
+    x = _act(seeded(), 2, 256)
+    with pytest.raises(ConfigError, match="gemm1_alpha"):
+        zv.moe_act_quant_contiguous(x, None, alpha=1.702, beta=1.0)
+    with pytest.raises(ConfigError, match="scale format"):
+        zv.moe_act_quant_contiguous(x, None, scale_fmt="E4M3_WEIRD")
+
+
+@pytest.mark.parametrize("fmt", ["FLOAT32", "UE8M0"])
+def test_moe_act_quant_masked_matches_contiguous(seeded, fmt):
+    g = seeded(fmt)
+    E, T, N = 3, 5, 256
+    y = _act(g, E, T, 2 * N)
+    counts = torch.tensor([5, 0, 2], dtype=torch.int32)
+    q, s = zv.moe_act_quant_masked(y, counts, scale_fmt=fmt)
+    G = N // 128 if fmt == "FLOAT32" else 1
+    assert tuple(s.shape) == (E, T, G) and s.stride() == (T * G, 1, T)
+    for e in range(E):
+        c = int(counts[e])
+        if c:
+            cq, cs = zv.moe_act_quant_contiguous(y[e, :c].contiguous(), None, scale_fmt=fmt)
+            assert torch.equal(q[e, :c].view(torch.uint8), cq.view(torch.uint8))
+            assert torch.equal(s[e, :c], cs)
+        assert (q[e, c:].view(torch.uint8) == 0).all() and (s[e, c:] == 0).all()
+    # negative control: two BF16 roundings (stock activation) change some FP8 codes on these inputs
+    g2, u2 = y[0, :, :N], y[0, :, N:]
+    two = (torch.nn.functional.silu(g2) * u2).to(torch.bfloat16)
+    one = silu_mul_quant_fp8_ref(y[0], group=128)[0]
+    from zerodiff.reference.fp8_quant import quant_per_token_group_ref
+    assert not torch.equal(quant_per_token_group_ref(two, 128)[0].view(torch.uint8), one.view(torch.uint8))

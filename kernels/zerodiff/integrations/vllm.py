@@ -270,6 +270,7 @@ def fill_short_context_topk(out: torch.Tensor, positions: torch.Tensor, num_toke
     """Every candidate of each token, in the contract order: token at position p has
     ``n = (p + 1) // compress_ratio`` candidates; row = ``[n-1, n-2, ..., 0, -1, ...]`` (position descending,
     -1 last), exactly what ``deterministic_topk`` returns for a row of ``n <= topk_tokens`` finite scores.
+    Precondition (guaranteed when :func:`short_context_uses_fill` is True): ``n <= topk_tokens`` per token.
     Integer math only, no host sync (CUDA-graph safe). ``out`` is viewed as ``[*, topk_tokens]``."""
     if num_tokens <= 0:
         return
