@@ -58,6 +58,15 @@ if zt.HAVE_TRITON:
     cast_e4m3 = zt.cast_e4m3
 
     @triton.jit
+    def bf16_to_f32(x, EXACT: tl.constexpr):
+        """bf16 -> fp32 (exact widening). The interpreter's native upcast mangles bf16 subnormals, so
+        under EXACT the bits are shifted by hand; the GPU uses the native conversion."""
+        if EXACT:
+            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
     def _silu_mul_kernel(x_ptr, o_ptr, s_ptr, cnt_ptr, C, N, limit,
                          sx_e, sx_c, so_e, so_c, ss_e, ss_c,
                          MASKED: tl.constexpr, QUANT: tl.constexpr, HAS_LIMIT: tl.constexpr,
@@ -78,8 +87,8 @@ if zt.HAVE_TRITON:
         cmask = cols < N
         lmask = cmask & valid
         xrow = x_ptr + e64 * sx_e + c64 * sx_c
-        g = tl.load(xrow + cols, mask=lmask, other=0.0).to(tl.float32)
-        u = tl.load(xrow + N + cols, mask=lmask, other=0.0).to(tl.float32)
+        g = bf16_to_f32(tl.load(xrow + cols, mask=lmask, other=0.0), EXACT)
+        u = bf16_to_f32(tl.load(xrow + N + cols, mask=lmask, other=0.0), EXACT)
         if HAS_LIMIT:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -89,7 +98,7 @@ if zt.HAVE_TRITON:
         h = cast_bf16(p, EXACT)
         orow = o_ptr + e64 * so_e + c64 * so_c
         if QUANT:
-            v = h.to(tl.float32)
+            v = bf16_to_f32(h, EXACT)
             amax = tl.max(tl.abs(v), axis=1)
             scale = tl.div_rn(tl.maximum(amax, 1e-10), 448.0)
             if UE8M0:
