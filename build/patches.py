@@ -143,6 +143,55 @@ def _apply(tree: Path, patch: Path, *extra: str, env: dict | None = None):
 
 
 # ----------------------------------------------------------------------------------------- apply/unapply
+# A patch applied exactly is recognised by `git apply -R --check`. A patch applied to a user's fork with a
+# 3-way merge cannot be recognised that way (3-way checks succeed in both directions), so those are recorded
+# in <git-dir>/zerodiff-3way-applied and reversed with a 3-way merge too. 3-way merges run on a throw-away
+# index seeded from HEAD plus the working-tree files the patch touches: the user's own index is never changed.
+STATE_FILE = "zerodiff-3way-applied"
+
+
+def _state_path(tree: Path) -> Path:
+    gd = git(["rev-parse", "--absolute-git-dir"], tree).stdout.strip()
+    return Path(gd) / STATE_FILE
+
+
+def _state(tree: Path) -> set[str]:
+    p = _state_path(tree)
+    return set(p.read_text().split()) if p.exists() else set()
+
+
+def _set_state(tree: Path, key: str, present: bool) -> None:
+    st = _state(tree)
+    st = st | {key} if present else st - {key}
+    p = _state_path(tree)
+    if st:
+        p.write_text("".join(k + "\n" for k in sorted(st)))
+    elif p.exists():
+        p.unlink()
+
+
+def _three_way(tree: Path, patch: Path, reverse: bool):
+    """`git apply --3way [-R]` on a throw-away index; on failure the touched files are restored (atomic)."""
+    files = [f for f in inspect_patch(patch).files]
+    saved = {f: (tree / f).read_bytes() if (tree / f).is_file() else None for f in files}
+    with tempfile.TemporaryDirectory(prefix="zd-3way-") as tmp:
+        idx = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git(["read-tree", "HEAD"], tree, env=idx)
+        tracked = set(git(["ls-files", "--", *files], tree, env=idx).stdout.split())
+        sync = [f for f in files if saved[f] is not None or f in tracked]
+        if sync:
+            git(["update-index", "--add", "--remove", "--", *sync], tree, env=idx)
+        r = _apply(tree, patch, "--3way", *(["-R"] if reverse else []), env=idx)
+    if r.returncode != 0:
+        for f, data in saved.items():
+            if data is None:
+                (tree / f).unlink(missing_ok=True)
+            else:
+                (tree / f).parent.mkdir(parents=True, exist_ok=True)
+                (tree / f).write_bytes(data)
+    return r
+
+
 def apply_side(side: str) -> list[str]:
     series = read_series(side)
     tree, is_user = require_tree(side)
@@ -150,9 +199,11 @@ def apply_side(side: str) -> list[str]:
         say(f"[{side}] series is empty: nothing to apply")
         return []
     three_way_ok = is_user and is_git_toplevel(tree)
+    recorded = _state(tree) if three_way_ok else set()
     done = []
     for p in series:
-        if _apply(tree, p, "--check", "-R").returncode == 0:
+        key = f"{side}/{p.name}"
+        if _apply(tree, p, "--check", "-R").returncode == 0 or key in recorded:
             say(f"[{side}] {p.name}: already applied")
             done.append(p.name)
             continue
@@ -161,41 +212,54 @@ def apply_side(side: str) -> list[str]:
             say(f"[{side}] {p.name}: applied")
             done.append(p.name)
             continue
+        left = (f"  earlier patches stay applied ({', '.join(done) or 'none'}); `make unapply` reverses them; "
+                f"this one changed nothing")
         if three_way_ok:
-            r3 = _apply(tree, p, "--3way")
+            r3 = _three_way(tree, p, reverse=False)
             if r3.returncode == 0:
-                files = inspect_patch(p).files
-                git(["reset", "-q", "--", *files], tree, check=False)  # keep the user's index as it was
+                _set_state(tree, key, True)
                 say(f"[{side}] {p.name}: applied with a 3-way merge")
                 done.append(p.name)
                 continue
             raise BuildError(f"[{side}] patch {p.name} does not apply to {tree}, even with a 3-way merge:\n"
-                             f"{explain_failure(p, r.stderr + r3.stderr)}\n"
-                             f"  earlier patches stay applied ({', '.join(done) or 'none'}); "
-                             f"`make unapply` reverses them")
-        raise BuildError(f"[{side}] patch {p.name} does not apply to {tree}:\n{explain_failure(p, r.stderr)}\n"
-                         f"  earlier patches stay applied ({', '.join(done) or 'none'}); "
-                         f"`make unapply` reverses them")
+                             f"{explain_failure(p, r.stderr + r3.stderr)}\n{left}")
+        raise BuildError(f"[{side}] patch {p.name} does not apply to {tree}:\n{explain_failure(p, r.stderr)}\n{left}")
     return done
 
 
 def unapply_side(side: str) -> list[str]:
     series = read_series(side)
-    tree, _ = require_tree(side)
+    tree, is_user = require_tree(side)
+    three_way_ok = is_user and is_git_toplevel(tree)
+    recorded = _state(tree) if three_way_ok else set()
     undone = []
     for p in reversed(series):
+        key = f"{side}/{p.name}"
         if _apply(tree, p, "-R", "--check").returncode == 0:
             r = _apply(tree, p, "-R")
             if r.returncode != 0:
                 raise BuildError(f"[{side}] could not reverse {p.name}:\n{explain_failure(p, r.stderr)}")
             say(f"[{side}] {p.name}: reversed")
-            undone.append(p.name)
+        elif key in recorded:
+            r = _three_way(tree, p, reverse=True)
+            if r.returncode != 0:
+                raise BuildError(f"[{side}] could not reverse {p.name} (applied with a 3-way merge) in {tree}:\n"
+                                 f"{explain_failure(p, r.stderr)}")
+            say(f"[{side}] {p.name}: reversed with a 3-way merge")
         elif _apply(tree, p, "--check").returncode == 0:
             say(f"[{side}] {p.name}: not applied, nothing to reverse")
+            continue
+        elif is_user:  # on a fork a patch that never applied matches neither way
+            say(f"[{side}] {p.name}: not recognisably applied to your tree (it does not apply to it either); "
+                f"left as is")
+            continue
         else:
             r = _apply(tree, p, "-R", "--check")
             raise BuildError(f"[{side}] {p.name} is neither cleanly applied nor cleanly absent in {tree} "
                              f"(edited by hand?):\n{explain_failure(p, r.stderr)}")
+        if key in recorded:
+            _set_state(tree, key, False)
+        undone.append(p.name)
     if not series:
         say(f"[{side}] series is empty: nothing to reverse")
     return undone
@@ -291,9 +355,11 @@ def summary_side(side: str) -> None:
     tree, is_user = tree_for(side)
     src = f"{side.upper()}_SRC={tree}" if is_user else str(tree)
     say(f"{side}: {len(series)} patch(es) in patches/{side}/series  (tree: {src})")
+    recorded = _state(tree) if tree.is_dir() and is_git_toplevel(tree) else set()
     for p in series:
         info = inspect_patch(p)
-        applied = tree.is_dir() and _apply(tree, p, "-R", "--check").returncode == 0
+        applied = tree.is_dir() and (_apply(tree, p, "-R", "--check").returncode == 0
+                                     or f"{side}/{p.name}" in recorded)
         say(f"  {p.name}  [{'applied' if applied else 'NOT applied'}]  {info.subject}")
         for f in info.files:
             say(f"      {f}")
