@@ -267,6 +267,8 @@ def test_moe_act_quant_refuses_swigluoai_and_unknown_format(seeded):
     x = _act(seeded(), 2, 256)
     with pytest.raises(ConfigError, match="gemm1_alpha"):
         zv.moe_act_quant_contiguous(x, None, alpha=1.702, beta=1.0)
+    with pytest.raises(ConfigError, match="activation='GELU'"):
+        zv.moe_act_quant_contiguous(x, None, activation="GELU")
     with pytest.raises(ConfigError, match="scale format"):
         zv.moe_act_quant_contiguous(x, None, scale_fmt="E4M3_WEIRD")
 

@@ -331,11 +331,15 @@ def _check_gated(alpha, beta) -> None:
 
 def moe_act_quant_contiguous(input: torch.Tensor, output: torch.Tensor | None = None, *, group_size: int = 128,
                              clamp_limit: float | None = None, scale_fmt="FLOAT32", alpha=None, beta=None,
-                             backend=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replacement for ``DeepGemmExperts._act_mul_quant`` (SiLU path): input bf16 [M, 2N] (gate | up) ->
-    (q e4m3 [M, N] written into ``output`` when given, scales in DeepGEMM's layout)."""
+                             activation: str = "SILU", backend=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replacement for ``DeepGemmExperts._act_mul_quant``: input bf16 [M, 2N] (gate | up) ->
+    (q e4m3 [M, N] written into ``output`` when given, scales in DeepGEMM's layout). Only SiLU (``activation``
+    = the ``MoEActivation`` member name) is supported; anything else is refused (fail closed)."""
     from ..ops.silu_mul_quant import silu_mul_quant_fp8
 
+    if str(activation).split(".")[-1] != "SILU":
+        raise ConfigError(f"zerodiff MoE activation: activation={activation!r} is not supported in consistency "
+                          "mode; only SILU (SiluAndMul, optionally with the swiglu clamp)")
     _check_gated(alpha, beta)
     fmt = _scale_fmt(scale_fmt)
     q, s = silu_mul_quant_fp8(input, group=group_size, clamp_limit=clamp_limit, ue8m0=fmt != "FLOAT32",
