@@ -82,10 +82,20 @@ _POST_WARPS = 4
 if zt.HAVE_TRITON:
 
     @triton.jit
+    def _bf16_to_f32(x, EXACT: tl.constexpr):
+        """bf16 -> fp32, exact. The interpreter's native conversion garbles bf16 denormals (measured:
+        1.3775e-39 -> 1.0286e-38), so EXACT widens the bits with integer ops instead."""
+        if EXACT:
+            u = x.to(tl.int16, bitcast=True).to(tl.uint16, bitcast=True).to(tl.uint32)
+            return (u << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
     def _mhc_prenorm_gemm_kernel(
         x_ptr, fn_ptr, mix_ptr, sq_ptr, T, K, K_PER_SPLIT,
         NMIX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, EXACT: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         split = tl.program_id(1)
@@ -101,7 +111,8 @@ if zt.HAVE_TRITON:
             ks = k0 + tl.arange(0, BK)
             kmask = ks < k_end
             x = tl.load(x_ptr + rows[:, None] * K + ks[None, :],
-                        mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                        mask=rmask[:, None] & kmask[None, :], other=0.0)
+            x = _bf16_to_f32(x, EXACT)
             w = tl.load(fn_ptr + cols[None, :] * K + ks[:, None],
                         mask=cmask[None, :] & kmask[:, None], other=0.0)
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
@@ -179,10 +190,10 @@ if zt.HAVE_TRITON:
         for h0 in range(0, H, BLOCK_H):
             offs = h0 + tl.arange(0, BLOCK_H)
             hm = offs < H
-            acc = p0 * tl.load(rbase + offs, mask=hm, other=0.0).to(tl.float32)
+            acc = p0 * _bf16_to_f32(tl.load(rbase + offs, mask=hm, other=0.0), EXACT)
             for i in tl.static_range(1, NH):
                 pi = tl.sum(tl.where(n == i, pre, 0.0), axis=0)
-                acc = acc + pi * tl.load(rbase + i * H + offs, mask=hm, other=0.0).to(tl.float32)
+                acc = acc + pi * _bf16_to_f32(tl.load(rbase + i * H + offs, mask=hm, other=0.0), EXACT)
             tl.store(li_ptr + row * H + offs, zt.cast_bf16(acc, EXACT), mask=hm)
 
     @triton.jit
@@ -195,11 +206,11 @@ if zt.HAVE_TRITON:
         hm = offs < H
         j = tl.arange(0, NH)
         post = tl.load(post_ptr + row * NH + j)
-        x = tl.load(lo_ptr + row * H + offs, mask=hm, other=0.0).to(tl.float32)
+        x = _bf16_to_f32(tl.load(lo_ptr + row * H + offs, mask=hm, other=0.0), EXACT)
         acc = post[:, None] * x[None, :]
         rbase = res_ptr + row * NH * H
         for i in tl.static_range(NH):
-            ri = tl.load(rbase + i * H + offs, mask=hm, other=0.0).to(tl.float32)
+            ri = _bf16_to_f32(tl.load(rbase + i * H + offs, mask=hm, other=0.0), EXACT)
             ci = tl.load(comb_ptr + row * NH * NH + i * NH + j)
             acc = acc + ci[:, None] * ri[None, :]
         out = out_ptr + row * NH * H + j[:, None] * H + offs[None, :]
@@ -292,7 +303,7 @@ def prenorm_gemm(residual: torch.Tensor, fn: torch.Tensor, *, splits: int = FIXE
     grid = (triton.cdiv(T, _GEMM_BM), splits)
     _mhc_prenorm_gemm_kernel[grid](
         x, fn, mix, sq, T, K, k_per_split, NMIX=nm, BM=_GEMM_BM, BN=_GEMM_BN, BK=_GEMM_BK,
-        PRECISION=_precision, num_warps=_GEMM_WARPS, **zt.LAUNCH_OPTS,
+        PRECISION=_precision, EXACT=zt.EXACT_CASTS, num_warps=_GEMM_WARPS, **zt.LAUNCH_OPTS,
     )
     return mix, sq
 
@@ -391,7 +402,11 @@ def _default_sms(device) -> int:
 
 
 def _split_gemm_torch(x: torch.Tensor, fn: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-split partials kept apart. On the CPU each partial is computed in float64 and rounded once to
+    fp32 (so a partial does not depend on the batch: the split count is the only batch dependence left,
+    which is what the negative control isolates); on CUDA it is a plain fp32 cuBLAS matmul per split."""
     T, K = x.shape
+    acc_dtype = torch.float32 if x.is_cuda else torch.float64
     chunk = -(-(-(-K // 64)) // splits) * 64
     mix = torch.zeros(splits, T, fn.shape[0], dtype=torch.float32, device=x.device)
     sq = torch.zeros(splits, T, dtype=torch.float32, device=x.device)
@@ -399,9 +414,9 @@ def _split_gemm_torch(x: torch.Tensor, fn: torch.Tensor, splits: int) -> tuple[t
         k0, k1 = s * chunk, min((s + 1) * chunk, K)
         if k0 >= k1:
             continue
-        xs = x[:, k0:k1].float()
-        mix[s] = xs @ fn[:, k0:k1].t()
-        sq[s] = (xs * xs).sum(-1)
+        xs = x[:, k0:k1].to(acc_dtype)
+        mix[s] = (xs @ fn[:, k0:k1].to(acc_dtype).t()).float()
+        sq[s] = (xs * xs).sum(-1).float()
     return mix, sq
 
 

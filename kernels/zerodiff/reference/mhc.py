@@ -16,7 +16,8 @@ pre (inputs: ``residual`` bf16 ``[T, n, H]``, ``fn`` fp32 ``[n*(n+2), n*H]``, ``
    ``comb /= colsum(comb) + eps`` once, then ``sinkhorn_iters - 1`` times
    ``comb /= rowsum(comb) + eps; comb /= colsum(comb) + eps`` (a FIXED iteration count, no
    convergence test: the matrix is only approximately doubly stochastic).
-4. ``layer_input = sum_i pre[i] * residual[:, i, :]`` rounded once to bf16.
+4. ``layer_input = sum_i pre[i] * residual[:, i, :]`` (streams added in increasing i, starting from
+   the i = 0 term, so an all-(-0) column stays -0) rounded once to bf16.
 
 post (inputs: the sub-layer's output ``layer_out`` bf16 ``[T, H]``, the same ``residual``, ``post``,
 ``comb``): ``new[:, j, :] = post[j] * layer_out + sum_i comb[i, j] * residual[:, i, :]`` rounded once to
@@ -103,8 +104,8 @@ def mhc_pre_ref(
         hc_sinkhorn_eps=hc_sinkhorn_eps, hc_post_mult=hc_post_mult,
         sinkhorn_iters=sinkhorn_iters, dtype=dtype,
     )
-    layer_input = (pre.unsqueeze(-1) * residual.to(dtype)).sum(dim=1)
-    return layer_input.to(torch.bfloat16), post.to(torch.float32), comb.to(torch.float32)
+    layer_input = aggregate_ref(residual, pre, dtype)
+    return layer_input, post.to(torch.float32), comb.to(torch.float32)
 
 
 def aggregate_ref(residual: torch.Tensor, pre: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -1,0 +1,389 @@
+"""mHC with a fixed split: reference properties, Triton == reference, victim-in-batch, negative controls.
+
+CPU tests run the Triton kernels through the interpreter on small shapes (H = 256, hc_mult = 4);
+``gpu`` tests run the real shapes (H = 4096 / 7168) on the H200.
+"""
+
+import pytest
+import torch
+
+from zerodiff import _triton as zt
+from zerodiff.ops import mhc
+from zerodiff.reference import mhc as ref
+
+needs_triton = pytest.mark.skipif(not zt.HAVE_TRITON, reason="triton not installed")
+
+N_HC = 4
+NM = ref.n_mix(N_HC)
+# checkpoint-like magnitudes: hc scales ~[2, 0.02, 0.25], small projection weights, O(1) bases
+SCALE = [2.0, 0.02, 0.25]
+
+
+def _weights(g, H, device="cpu"):
+    fn = (torch.randn(NM, N_HC * H, generator=g) * 0.02).to(device)
+    scale = torch.tensor(SCALE, dtype=torch.float32).to(device)
+    base = (torch.randn(NM, generator=g) * 0.5).to(device)
+    return fn, scale, base
+
+
+def _streams(g, T, H, device="cpu", adversarial=True):
+    """Random bf16 residual streams; with ``adversarial`` some rows hold +-0, bf16 denormals, exact
+    ties (all streams equal), huge and tiny magnitudes (never zeros only)."""
+    r = torch.randn(T, N_HC, H, generator=g) * torch.exp2(torch.randint(-3, 4, (T, 1, 1), generator=g).float())
+    if adversarial and T >= 4:
+        r[1, :, ::3] = 0.0
+        r[1, :, 1::3] = -0.0
+        r[2] = r[2, 0:1]  # all streams identical: ties in the aggregation and the projection
+        r[3, :, : H // 2] = torch.randn(N_HC, H // 2, generator=g) * 1e-39  # bf16 denormals
+        r[3, :, H // 2 :] *= 1e3
+    return r.to(torch.bfloat16).to(device)
+
+
+def _assert_rows_equal(a, b, msg):
+    assert a.dtype == b.dtype and a.shape == b.shape, msg
+    if a.dtype == torch.bfloat16:
+        a, b = a.view(torch.int16), b.view(torch.int16)
+    elif a.dtype == torch.float32:
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    assert torch.equal(a, b), f"{msg}: {(a != b).sum().item()} of {a.numel()} values differ"
+
+
+# ----------------------------------------------------------------------------------- reference
+
+
+def test_reference_sinkhorn_is_doubly_stochastic(seeded):
+    g = seeded()
+    logits = torch.randn(500, N_HC, N_HC, generator=g, dtype=torch.float64)
+    c = ref.sinkhorn_ref(logits, ref.SINKHORN_ITERS, ref.HC_EPS)
+    assert (c > 0).all()
+    # the last step normalises columns: they sum to 1 up to eps; rows converge to 1
+    assert torch.allclose(c.sum(-2), torch.ones(500, N_HC, dtype=torch.float64), atol=1e-5)
+    assert torch.allclose(c.sum(-1), torch.ones(500, N_HC, dtype=torch.float64), atol=1e-3)
+    # a fixed iteration count, not a convergence test: one more round changes the values
+    c21 = ref.sinkhorn_ref(logits, ref.SINKHORN_ITERS + 1, ref.HC_EPS)
+    assert not torch.equal(c, c21)
+
+
+def test_reference_gates_and_aggregation(seeded):
+    g = seeded()
+    H = 64
+    res = _streams(g, 6, H)
+    fn, scale, base = _weights(g, H)
+    pre, post, comb = ref.mhc_mix_ref(res, fn, scale, base)
+    assert ((pre > ref.HC_EPS) & (pre < 1 + 2 * ref.HC_EPS)).all()
+    assert ((post > 0) & (post < ref.POST_MULT)).all()
+    li, post32, comb32 = ref.mhc_pre_ref(res, fn, scale, base)
+    # aggregation by hand, float64, one rounding
+    manual = pre[:, 0:1] * res[:, 0].double()  # start from the first term: -0 + -0 stays -0
+    for i in range(1, N_HC):
+        manual = manual + pre[:, i : i + 1] * res[:, i].double()
+    manual = manual.to(torch.bfloat16)
+    _assert_rows_equal(li, manual, "reference aggregation")
+    assert torch.equal(post32, post.float()) and torch.equal(comb32, comb.float())
+    # scaling the streams by a power of two leaves the normalised mixes unchanged up to rms_eps (RMS norm)
+    pre2, post2, comb2 = ref.mhc_mix_ref((res.double() * 4).bfloat16(), fn, scale, base)
+    assert torch.allclose(pre2, pre, atol=1e-3) and torch.allclose(comb2, comb, atol=1e-3)
+    assert not torch.equal(pre2, pre)  # eps is inside the square root: not exactly invariant
+
+
+def test_reference_post_fp32_mode_close_to_float64(seeded):
+    g = seeded()
+    T, H = 5, 64
+    res = _streams(g, T, H)
+    lo = torch.randn(T, H, generator=g).bfloat16()
+    post = torch.rand(T, N_HC, generator=g) * 2
+    comb = ref.sinkhorn_ref(torch.randn(T, N_HC, N_HC, generator=g), 20, 1e-6).float()
+    a = ref.mhc_post_ref(lo, res, post, comb).float()
+    b = ref.mhc_post_ref(lo, res, post, comb, dtype=torch.float32).float()
+    assert torch.allclose(a, b, rtol=2**-7, atol=1e-30)
+
+
+def test_stock_num_splits_formula():
+    # vLLM: max(1, min(n_sms // ceil(T/64), ceil(K/64) // 4)), H200 has 132 SMs
+    K = 4 * 4096
+    assert mhc.stock_num_splits(1, K, 132) == 64
+    assert mhc.stock_num_splits(128, K, 132) == 64
+    assert mhc.stock_num_splits(129, K, 132) == 44
+    assert mhc.stock_num_splits(256, K, 132) == 33
+    assert mhc.stock_num_splits(8192, K, 132) == 1
+    assert mhc.stock_num_splits(1, 4 * 256, 132) == 4
+    assert mhc.FIXED_SPLITS == 1
+
+
+# --------------------------------------------------------------------------- Triton (interpreter)
+
+
+@needs_triton
+def test_triton_pre_matches_reference(seeded):
+    g = seeded()
+    T, H = 6, 256
+    res = _streams(g, T, H)
+    fn, scale, base = _weights(g, H)
+    li, post, comb = mhc.mhc_pre(res, fn, scale, base, backend="triton")
+    li_r, post_r, comb_r = ref.mhc_pre_ref(res, fn, scale, base)
+    assert li.dtype == torch.bfloat16 and li.shape == (T, H)
+    assert post.dtype == torch.float32 and post.shape == (T, N_HC)
+    assert comb.dtype == torch.float32 and comb.shape == (T, N_HC, N_HC)
+    assert torch.allclose(post, post_r, rtol=2e-6, atol=1e-6)
+    assert torch.allclose(comb, comb_r, rtol=2e-5, atol=1e-6)
+    # layer_input: one rounding of a value that agrees to ~1e-6 relative -> at most 1 bf16 ulp apart
+    ulp = (li.view(torch.int16).int() - li_r.view(torch.int16).int()).abs()
+    assert ulp.max() <= 1 and (ulp != 0).float().mean() < 0.02
+    # the raw projection equals the float64 one to fp32 accuracy, sqrsum exactly up to rounding
+    mix, sq = mhc.prenorm_gemm(res, fn)
+    x = res.reshape(T, -1).double()
+    assert torch.allclose(mix[0].double(), x @ fn.double().t(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(sq[0].double(), (x * x).sum(-1), rtol=1e-6)
+
+
+@needs_triton
+def test_triton_post_bitwise(seeded):
+    g = seeded()
+    T, H = 5, 300  # H not a multiple of the block: masked tail
+    res = _streams(g, T, H)
+    lo = _streams(g, T, H)[:, 0].contiguous()
+    lo[0, :7] = torch.tensor([0.0, -0.0, 1e-39, -1e-39, 1.0, 1.0, -1.0]).bfloat16()
+    post = torch.rand(T, N_HC, generator=g) * 2
+    comb = ref.sinkhorn_ref(torch.randn(T, N_HC, N_HC, generator=g), 20, 1e-6).float()
+    comb[0] = 0.25  # ties: exact halfway cases for the bf16 rounding
+    post[0] = 0.5
+    # row 4: cancellation where the order of the fp32 additions decides the result
+    # (forward: 1 + 2^24 -> 2^24, - 2^24 -> 0, + 1 -> 1; reversed: 1 - 2^24 + 2^24 + 1 -> 2)
+    lo[4] = 1.0
+    post[4] = 1.0
+    comb[4] = 1.0
+    res[4, 0], res[4, 1], res[4, 2], res[4, 3] = 2.0**24, -(2.0**24), 1.0, 0.0
+    out = mhc.mhc_post(lo, res, post, comb, backend="triton")
+    _assert_rows_equal(out, ref.mhc_post_ref(lo, res, post, comb, dtype=torch.float32), "post vs fp32 ref")
+    assert torch.all(out[4] == 1.0)
+    # post may also come as [T, n, 1] (vLLM's shape)
+    _assert_rows_equal(mhc.mhc_post(lo, res, post.unsqueeze(-1), comb, backend="triton"), out, "post [T,n,1]")
+    # negative control: the same fp32 terms added in another order (streams reversed, post term last)
+    acc = comb[:, N_HC - 1, :].unsqueeze(-1) * res[:, N_HC - 1 : N_HC].float()
+    for i in range(N_HC - 2, -1, -1):
+        acc = acc + comb[:, i, :].unsqueeze(-1) * res[:, i : i + 1].float()
+    other = (acc + post.unsqueeze(-1) * lo.float().unsqueeze(1)).to(torch.bfloat16)
+    assert not torch.equal(out, other), "negative control: a different summation order gave the same bits"
+
+
+@needs_triton
+def test_triton_pre_victim_in_batch(seeded):
+    g = seeded()
+    H = 256
+    fn, scale, base = _weights(g, H)
+    victim = _streams(g, 1, H, adversarial=False)
+    # 3 Sinkhorn rounds keep the interpreter fast; the per-row code path is the same for any count
+    kw = dict(backend="triton", sinkhorn_iters=3)
+    alone = mhc.mhc_pre(victim, fn, scale, base, **kw)
+    mix_alone, sq_alone = mhc.prenorm_gemm(victim, fn)
+    for rnd in range(2):
+        for T, pos in ((2, 1), (16, 15 * rnd), (17, 16), (33, 5 + 27 * rnd)):
+            batch = _streams(g, T, H)
+            batch[pos] = victim[0]
+            out = mhc.mhc_pre(batch, fn, scale, base, **kw)
+            for name, a, b in zip(("layer_input", "post", "comb"), out, alone):
+                _assert_rows_equal(a[pos], b[0], f"{name}: victim at {pos} of T={T}, round {rnd}")
+            mix, sq = mhc.prenorm_gemm(batch, fn)
+            _assert_rows_equal(mix[0, pos], mix_alone[0, 0], f"projection at {pos} of T={T}")
+            _assert_rows_equal(sq[0, pos], sq_alone[0, 0], f"sqrsum at {pos} of T={T}")
+
+
+@needs_triton
+def test_triton_post_victim_in_batch(seeded):
+    g = seeded()
+    H = 256
+    res_v = _streams(g, 1, H, adversarial=False)
+    lo_v = torch.randn(1, H, generator=g).bfloat16()
+    post_v = torch.rand(1, N_HC, generator=g) * 2
+    comb_v = ref.sinkhorn_ref(torch.randn(1, N_HC, N_HC, generator=g), 20, 1e-6).float()
+    alone = mhc.mhc_post(lo_v, res_v, post_v, comb_v, backend="triton")
+    for T, pos in ((3, 2), (17, 0), (17, 9)):
+        res = _streams(g, T, H)
+        lo = torch.randn(T, H, generator=g).bfloat16()
+        post = torch.rand(T, N_HC, generator=g) * 2
+        comb = torch.rand(T, N_HC, N_HC, generator=g)
+        res[pos], lo[pos], post[pos], comb[pos] = res_v[0], lo_v[0], post_v[0], comb_v[0]
+        out = mhc.mhc_post(lo, res, post, comb, backend="triton")
+        _assert_rows_equal(out[pos], alone[0], f"post victim at {pos} of T={T}")
+
+
+@needs_triton
+def test_negative_control_batch_dependent_split(seeded):
+    """The stock-style split (count from T) gives the same token different bits at different T;
+    our fixed split gives the same bits (checked on the same victim)."""
+    g = seeded()
+    H = 256
+    fn, scale, base = _weights(g, H)
+    victim = _streams(g, 1, H, adversarial=False)
+    T_big, pos = 5000, 1234  # stock split: 4 at T=1, 1 at T=5000 (K = 1024, 132 SMs)
+    assert mhc.stock_num_splits(1, N_HC * H, 132) != mhc.stock_num_splits(T_big, N_HC * H, 132)
+    big = _streams(g, T_big, H)
+    big[pos] = victim[0]
+    kw = dict(n_sms=132, gemm="torch", epilogue="torch")
+    a = mhc.mhc_pre_split_baseline(victim, fn, scale, base, **kw)
+    b = mhc.mhc_pre_split_baseline(big, fn, scale, base, **kw)
+    n_diff = sum((x[0] != y[pos]).sum().item() for x, y in zip(a, b))
+    assert n_diff > 0, "negative control failed: the batch-dependent split gave identical bits"
+    # sanity: the same split count at both sizes gives the same bits (the difference is the split)
+    c = mhc.mhc_pre_split_baseline(big, fn, scale, base, n_splits=4, **kw)
+    assert all(torch.equal(x[0], y[pos]) for x, y in zip(a, c))
+    # the same split through our Triton epilogue (S partials added in split order) also differs
+    mix4, sq4 = mhc._split_gemm_torch(victim.reshape(1, -1), fn, 4)
+    mix1, sq1 = mhc._split_gemm_torch(victim.reshape(1, -1), fn, 1)
+    kw2 = dict(rms_eps=ref.RMS_EPS, hc_pre_eps=ref.HC_EPS, hc_sinkhorn_eps=ref.HC_EPS,
+               hc_post_mult=ref.POST_MULT, sinkhorn_iters=ref.SINKHORN_ITERS)
+    e4 = mhc.pre_epilogue(mix4, sq4, victim, scale, base, **kw2)
+    e1 = mhc.pre_epilogue(mix1, sq1, victim, scale, base, **kw2)
+    assert any(not torch.equal(x, y) for x, y in zip(e4, e1))
+
+
+@needs_triton
+def test_empty_batch():
+    H = 256
+    fn, scale, base = _weights(torch.Generator().manual_seed(0), H)
+    res = torch.empty(0, N_HC, H, dtype=torch.bfloat16)
+    li, post, comb = mhc.mhc_pre(res, fn, scale, base, backend="triton")
+    assert li.shape == (0, H) and post.shape == (0, N_HC) and comb.shape == (0, N_HC, N_HC)
+    out = mhc.mhc_post(torch.empty(0, H, dtype=torch.bfloat16), res, post, comb, backend="triton")
+    assert out.shape == (0, N_HC, H)
+
+
+def test_default_backend_on_cpu_is_reference(seeded):
+    g = seeded()
+    H = 64
+    res = _streams(g, 4, H)
+    fn, scale, base = _weights(g, H)
+    out = mhc.mhc_pre(res, fn, scale, base)
+    for a, b in zip(out, ref.mhc_pre_ref(res, fn, scale, base)):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_raise_clear_errors():
+    H = 64
+    g = torch.Generator().manual_seed(0)
+    fn, scale, base = _weights(g, H)
+    res = _streams(g, 4, H)
+    cases = [
+        (lambda: mhc.mhc_pre(res.float(), fn, scale, base), "residual must be a bf16"),
+        (lambda: mhc.mhc_pre(res[0], fn, scale, base), "residual must be a bf16"),
+        (lambda: mhc.mhc_pre(res[:, :3].contiguous(), fn[:15, : 3 * H], scale, base[:15]), "hc_mult"),
+        (lambda: mhc.mhc_pre(res, fn[:, :-1], scale, base), "fn must be fp32"),
+        (lambda: mhc.mhc_pre(res, fn.double(), scale, base), "fn must be fp32"),
+        (lambda: mhc.mhc_pre(res, fn, scale[:2], base), "hc_scale"),
+        (lambda: mhc.mhc_pre(res, fn, scale, base[:-1]), "hc_base"),
+        (lambda: mhc.mhc_pre(res, fn, scale, base, sinkhorn_iters=0), "sinkhorn_iters"),
+        (lambda: mhc.mhc_pre(res, fn, scale, base, backend="cuda"), "unknown backend"),
+        (lambda: mhc.mhc_post(res[:, 0], res, torch.ones(4, 3), torch.ones(4, 4, 4)), "post must be fp32"),
+        (lambda: mhc.mhc_post(res[:, 0].float(), res, torch.ones(4, 4), torch.ones(4, 4, 4)), "layer_out"),
+        (lambda: mhc.mhc_post(res[:3, 0], res, torch.ones(4, 4), torch.ones(4, 4, 4)), "layer_out"),
+        (lambda: mhc.mhc_post(res[:, 0], res, torch.ones(4, 4), torch.ones(4, 4)), "comb must be fp32"),
+        (lambda: mhc.mhc_pre_split_baseline(res, fn, scale, base, gemm="cublas"), "unknown gemm"),
+    ]
+    for fn_call, text in cases:
+        with pytest.raises(ValueError, match=text):
+            fn_call()
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+GPU_TS = (1, 7, 8, 15, 16, 17, 63, 64, 65, 128, 129, 192, 193, 256, 1000)
+
+
+def _gpu_case(H, seed):
+    g = torch.Generator().manual_seed(seed)
+    fn, scale, base = _weights(g, H, "cuda")
+    victim = _streams(g, 1, H, "cuda", adversarial=False)
+    return g, fn, scale, base, victim
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [4096, 7168])
+def test_gpu_pre_victim_in_batch(H):
+    g, fn, scale, base, victim = _gpu_case(H, 11)
+    alone = mhc.mhc_pre(victim, fn, scale, base)
+    for rnd in range(3):
+        for T in GPU_TS:
+            batch = _streams(g, T, H, "cuda")
+            for pos in sorted({0, T // 2, T - 1}):
+                batch[pos] = victim[0]
+            out = mhc.mhc_pre(batch, fn, scale, base)
+            for pos in sorted({0, T // 2, T - 1}):
+                for name, a, b in zip(("layer_input", "post", "comb"), out, alone):
+                    _assert_rows_equal(a[pos], b[0], f"H={H} {name}: victim at {pos} of T={T}, round {rnd}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [4096, 7168])
+def test_gpu_pre_close_to_reference(H):
+    g, fn, scale, base, _ = _gpu_case(H, 12)
+    res = _streams(g, 64, H, "cuda")
+    li, post, comb = mhc.mhc_pre(res, fn, scale, base)
+    li_r, post_r, comb_r = ref.mhc_pre_ref(res.cpu(), fn.cpu(), scale.cpu(), base.cpu())
+    assert torch.allclose(post.cpu(), post_r, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(comb.cpu(), comb_r, rtol=1e-4, atol=1e-6)
+    ulp = (li.cpu().view(torch.int16).int() - li_r.view(torch.int16).int()).abs()
+    assert ulp.max() <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [4096, 7168])
+def test_gpu_negative_control_split_from_T(H):
+    """Stock-style split count from T (DeepGEMM when importable, else cuBLAS per split): the victim's
+    bits change with T, on the same inputs where ours stay fixed."""
+    g, fn, scale, base, victim = _gpu_case(H, 13)
+    big = _streams(g, 1000, H, "cuda")
+    big[500] = victim[0]
+    a = mhc.mhc_pre_split_baseline(victim, fn, scale, base)
+    b = mhc.mhc_pre_split_baseline(big, fn, scale, base)
+    assert mhc.stock_num_splits(1, 4 * H, 132) != mhc.stock_num_splits(1000, 4 * H, 132)
+    n_diff = sum((x[0] != y[500]).sum().item() for x, y in zip(a, b))
+    assert n_diff > 0, "negative control failed: the stock split gave the same bits at T=1 and T=1000"
+    ours_a = mhc.mhc_pre(victim, fn, scale, base)
+    ours_b = mhc.mhc_pre(big, fn, scale, base)
+    assert all(torch.equal(x[0], y[500]) for x, y in zip(ours_a, ours_b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [4096, 7168])
+def test_gpu_post_bitwise_and_victim(H):
+    g = torch.Generator().manual_seed(14)
+    for T in (1, 17, 129, 1000):
+        res = _streams(g, T, H, "cuda")
+        lo = torch.randn(T, H, generator=g).bfloat16().cuda()
+        post = (torch.rand(T, N_HC, generator=g) * 2).cuda()
+        comb = ref.sinkhorn_ref(torch.randn(T, N_HC, N_HC, generator=g), 20, 1e-6).float().cuda()
+        out = mhc.mhc_post(lo, res, post, comb)
+        _assert_rows_equal(out, ref.mhc_post_ref(lo, res, post, comb, dtype=torch.float32),
+                           f"post vs fp32 ref, T={T}")
+        alone = mhc.mhc_post(lo[-1:], res[-1:], post[-1:], comb[-1:])
+        _assert_rows_equal(out[-1:], alone, f"post victim at {T - 1} of T={T}")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_equals_eager():
+    H = 4096
+    g, fn, scale, base, _ = _gpu_case(H, 15)
+    T = 64
+    res = _streams(g, T, H, "cuda")
+    lo = torch.randn(T, H, generator=g).bfloat16().cuda()
+    eager = mhc.mhc_pre(res, fn, scale, base)
+    eager_post = mhc.mhc_post(lo, res, eager[1], eager[2])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # warm up (compile) outside capture
+            mhc.mhc_pre(res, fn, scale, base)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mhc.mhc_pre(res, fn, scale, base)
+        out_post = mhc.mhc_post(lo, res, out[1], out[2])
+    for rnd in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, a, b in zip(("layer_input", "post", "comb", "new_streams"),
+                              (*out, out_post), (*eager, eager_post)):
+            _assert_rows_equal(a, b, f"graph replay {rnd}: {name}")
