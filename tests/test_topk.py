@@ -165,30 +165,33 @@ def test_negative_control_torch_topk():
 # ---------------------------------------------------------------------------------------------------
 # Triton kernel through the interpreter (small shapes), bitwise equal to the reference
 # ---------------------------------------------------------------------------------------------------
-def _check_triton(s, k, lengths, chunk=None):
-    pos, sc = _topk_triton(s, k, lengths, True, chunk=chunk)
+def _check_triton(s, k, lengths, chunk=None, digit=None, hist_mask=None):
+    kw = dict(chunk=chunk, digit=digit, hist_mask=hist_mask)
+    pos, sc = _topk_triton(s, k, lengths, True, **kw)
     rpos, rsc = deterministic_topk_ref(s, k, lengths, return_scores=True)
-    assert torch.equal(pos.cpu(), rpos.cpu()), f"positions differ (k={k}, chunk={chunk})"
-    assert bits_equal(sc.cpu(), rsc.cpu()), f"scores differ (k={k}, chunk={chunk})"
-    only = _topk_triton(s, k, lengths, False, chunk=chunk)
+    assert torch.equal(pos.cpu(), rpos.cpu()), f"positions differ (k={k}, {kw})"
+    assert bits_equal(sc.cpu(), rsc.cpu()), f"scores differ (k={k}, {kw})"
+    only = _topk_triton(s, k, lengths, False, **kw)
     assert torch.equal(only.cpu(), rpos.cpu())
 
 
 @needs_triton
-@pytest.mark.parametrize("W,k,chunk", [
-    (200, 1, 16), (200, 7, 32), (200, 64, 16), (200, 199, 64), (200, 260, 32),  # multi-chunk rows
-    (2048, 8, None), (2048, 300, None),  # default chunk at a DSA-like width
+@pytest.mark.parametrize("W,k,chunk,digit,hist_mask", [
+    (200, 1, 32, 8, None), (200, 7, 32, 11, None), (200, 64, 32, 8, False), (200, 64, 32, 11, None),
+    (200, 199, 64, 8, None), (200, 260, 32, 11, False),  # multi-chunk rows, both digit widths
+    (2048, 8, None, None, None), (2048, 300, None, None, None),  # default config at a routing-like width
+    (2304, 700, None, None, None),  # default config of wide rows (11-bit digits)
 ])
-def test_triton_matches_reference(seeded, W, k, chunk):
-    g = seeded(f"{W}-{k}-{chunk}")
+def test_triton_matches_reference(seeded, W, k, chunk, digit, hist_mask):
+    g = seeded(f"{W}-{k}-{chunk}-{digit}")
     s = torch.cat([adversarial_rows(W, g), torch.randn(1, W, generator=g) * 1e-3])
     if W > 1000:
         s = s[[0, 1, 4, 5, 8]]  # keep the interpreter cheap at the wide shape
     R = s.shape[0]
     L = torch.randint(0, W + 1, (R,), generator=g, dtype=torch.int32)
     L[0], L[-1] = W, min(k, W)
-    _check_triton(s, k, None, chunk)
-    _check_triton(s, k, L, chunk)
+    _check_triton(s, k, None, chunk, digit, hist_mask)
+    _check_triton(s, k, L, chunk, digit, hist_mask)
 
 
 @needs_triton
@@ -206,7 +209,8 @@ def test_triton_edge_cases(seeded):
     b = torch.tensor([0x3F800000, 0x3F8000FF, 0x3F800100, 0x3F80FF00] * 8, dtype=torch.int32)
     b = b.view(torch.float32)[None].clone()
     for k in (1, 7, 8, 9, 16, 17, 31):
-        _check_triton(b, k, None, 16)
+        _check_triton(b, k, None, 16, 8)
+        _check_triton(b, k, None, 16, 11)
 
 
 @needs_triton
@@ -320,6 +324,19 @@ def test_gpu_negative_control_torch_topk(seeded):
     assert not torch.equal(stock.to(torch.int32), ours)
     stock_sorted = torch.sort(stock, dim=1, descending=True).values.to(torch.int32)
     assert not torch.equal(stock_sorted, ours), "torch.topk picked the same tie set: redesign the control"
+
+
+@pytest.mark.gpu
+def test_gpu_lengths_checks_and_clamp(seeded):
+    g = seeded()
+    s = torch.randn(2, 4096, generator=g).cuda()
+    bad = torch.tensor([5000, -3], dtype=torch.int32).cuda()
+    with pytest.raises(ValueError, match="exceeds"):
+        deterministic_topk(s, 16, bad, check_lengths=True)
+    # without the (syncing) check, lengths are clamped to [0, W]: never an out-of-bounds read
+    got = deterministic_topk(s, 16, bad)
+    ref = deterministic_topk_ref(s.cpu(), 16, torch.tensor([4096, 0], dtype=torch.int32))
+    assert torch.equal(got.cpu(), ref)
 
 
 @pytest.mark.gpu

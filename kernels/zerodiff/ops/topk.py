@@ -2,7 +2,8 @@
 
 Public API::
 
-    deterministic_topk(scores, k, lengths=None, *, return_scores=False, backend=None)
+    deterministic_topk(scores, k, lengths=None, *, return_scores=False, backend=None,
+                       check_lengths=None)
         -> positions int32 [R, k]                      (return_scores=False)
         -> (positions int32 [R, k], scores fp32 [R, k]) (return_scores=True)
 
@@ -21,16 +22,18 @@ Numerical contract (identical to ``zerodiff.reference.topk``, which states it in
   program per row, and the chunk size / warp count are chosen from the row width W only.
 
 Kernel design (one kernel for prefill rows, decode rows and routing rows): one program per row. The k-th
-largest key is found by radix select on the 32 mapped score bits, 8 bits per pass (at most 4 passes,
-fewer when a pass already isolates the boundary exactly), each pass one ``tl.histogram`` per fixed-size
-chunk of the row. Ties at the threshold score are resolved by position while emitting: the row is scanned
+largest key is found by radix select on the 32 mapped score bits: 11-bit digits (10+11+11, at most 3
+passes) for rows wider than 2048, 8-bit digits (at most 4 passes) for narrow rows; a pass that already
+isolates the boundary exactly ends the search early. Each pass is one ``tl.histogram`` (masked to the
+candidates that still match the prefix) per fixed-size chunk of the row. Ties at the threshold score are resolved by position while emitting: the row is scanned
 from its right end chunk by chunk and ``tl.cumsum`` gives each selected element its output slot, which
 yields the descending-position order without any sort. Rows with ``length <= k`` skip the radix passes
 (everything valid is selected). Only ``min(length, W)`` columns are read.
 
-Bad input raises ValueError naming the problem (see the reference). ``lengths`` values are checked on the
-host except while a CUDA graph is being captured (no host sync there); the kernel additionally clamps each
-length to ``[0, W]`` so a bad value can never read out of bounds.
+Bad input raises ValueError naming the problem (see the reference). Dtype/shape/k are always checked on
+the host (no sync). ``lengths`` VALUES (0 <= L <= W) are checked for CPU tensors, and for CUDA tensors only
+with ``check_lengths=True`` (a device sync; refused during CUDA-graph capture); the kernel clamps every
+length to ``[0, W]`` in any case, so a bad value can never read out of bounds.
 
 Backends: ``None`` -> Triton for CUDA tensors, the reference for CPU tensors; ``"triton"`` (CPU tensors
 run through Triton's interpreter: small shapes only); ``"reference"``.
@@ -61,7 +64,8 @@ if zt.HAVE_TRITON:
 
     @triton.jit
     def _topk_kernel(s_ptr, len_ptr, out_ptr, osc_ptr, W, k, stride_r, stride_c,
-                     HAS_LEN: tl.constexpr, RET_SCORES: tl.constexpr, CHUNK: tl.constexpr):
+                     HAS_LEN: tl.constexpr, RET_SCORES: tl.constexpr, CHUNK: tl.constexpr,
+                     DIGIT: tl.constexpr, NPASS: tl.constexpr, HIST_MASK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         if HAS_LEN:
             L = tl.load(len_ptr + row).to(tl.int32)
@@ -71,17 +75,20 @@ if zt.HAVE_TRITON:
         srow = s_ptr + row * stride_r
         n_chunks = tl.cdiv(L, CHUNK)
         ar = tl.arange(0, CHUNK)
-        bins = tl.arange(0, 256)
+        NB: tl.constexpr = 1 << DIGIT
+        bins = tl.arange(0, NB)
 
-        # ---- radix select of the threshold score key T and how many ties at T to take (need) ----
+        # ---- radix select of the threshold key T (32 bits) and how many ties at T to take (need) ----
+        # pass p looks at bits [lo, lo + DIGIT) with lo = (NPASS - 1 - p) * DIGIT (the top pass may be
+        # narrower) among the candidates whose bits above lo + DIGIT equal the prefix found so far.
         done = (L <= k).to(tl.int32)  # everything valid is selected: T = 0, need = k
         T = tl.zeros([], tl.uint32)
         need = k + tl.zeros([], tl.int32)
         prefix = tl.zeros([], tl.uint32)
         kk = k + tl.zeros([], tl.int32)  # keys still to select at or below the current prefix
-        for p in tl.static_range(4):
+        for p in tl.static_range(NPASS):
             if done == 0:
-                h = tl.zeros([256], tl.int32)
+                h = tl.zeros([NB], tl.int32)
                 n_in = tl.zeros([], tl.int32)
                 for c in range(0, n_chunks):
                     offs = c * CHUNK + ar
@@ -89,23 +96,26 @@ if zt.HAVE_TRITON:
                     x = tl.load(srow + offs.to(tl.int64) * stride_c, mask=inb, other=0.0)
                     m, cand = _row_keys(x, inb)
                     if p > 0:
-                        cand = cand & ((m >> (32 - 8 * p)) == prefix)
-                    b = tl.where(cand, ((m >> (24 - 8 * p)) & 0xFF).to(tl.int32), 0)
-                    h += tl.histogram(b, 256)
+                        cand = cand & ((m >> ((NPASS - p) * DIGIT)) == prefix)
+                    b = ((m >> ((NPASS - 1 - p) * DIGIT)) & (NB - 1)).to(tl.int32)
+                    if HIST_MASK:
+                        h += tl.histogram(b, NB, mask=cand)
+                    else:
+                        h += tl.histogram(tl.where(cand, b, 0), NB)
                     n_in += tl.sum(cand.to(tl.int32), axis=0)
-                # excluded lanes were counted in bin 0: take them out (no histogram mask needed)
-                h = h - tl.where(bins == 0, n_chunks * CHUNK - n_in, 0)
-                incl = n_in - tl.cumsum(h, axis=0) + h  # keys in bins >= b
+                if not HIST_MASK:  # excluded lanes were counted in bin 0: take them out
+                    h = h - tl.where(bins == 0, n_chunks * CHUNK - n_in, 0)
+                incl = n_in - tl.cumsum(h, axis=0) + h  # candidates in bins >= b
                 j = tl.max(tl.where(incl >= kk, bins, -1), axis=0)
                 above = tl.sum(tl.where(bins == j, incl - h, 0), axis=0)
                 hj = tl.sum(tl.where(bins == j, h, 0), axis=0)
-                all_sel = n_in <= kk  # fewer candidates than k (only possible in pass 0)
+                all_sel = n_in <= kk  # no more candidates than k (only possible in pass 0)
                 kk_new = kk - above
-                prefix_new = (prefix << 8) | j.to(tl.uint32)
+                prefix_new = (prefix << DIGIT) | j.to(tl.uint32)
                 exact = hj == kk_new  # the whole boundary bin is selected: T = its lowest key
-                if p == 3:
+                if p == NPASS - 1:
                     exact = exact | True
-                T = tl.where(all_sel, 0, prefix_new << (24 - 8 * p)).to(tl.uint32)
+                T = tl.where(all_sel, 0, prefix_new << ((NPASS - 1 - p) * DIGIT)).to(tl.uint32)
                 need = tl.where(all_sel, k, kk_new)
                 done = (all_sel | exact).to(tl.int32)
                 prefix = prefix_new
@@ -144,16 +154,34 @@ if zt.HAVE_TRITON:
                 tl.store(scrow + o, tl.full([CHUNK], float("-inf"), tl.float32), mask=pm)
 
 
-def _config(W: int) -> tuple[int, int]:
-    """(CHUNK, num_warps) from the row width only (never from the number of rows)."""
+def _config(W: int) -> tuple[int, int, int]:
+    """(CHUNK, DIGIT, num_warps) from the row width only (never from the number of rows).
+
+    Narrow rows (routing, short contexts) use 8-bit digits (256 bins, 4 passes at most); wide rows use
+    11-bit digits (2048 bins, 3 passes at most: fewer passes over the row, fewer bin collisions in the
+    shared-memory histogram). Every configuration computes the same pure function of the row.
+    """
     chunk = 256
     while chunk < W and chunk < 4096:
         chunk *= 2
+    digit = 8 if W <= 2048 else 11
     warps = 8 if chunk >= 2048 else (4 if chunk >= 1024 else 2)
-    return chunk, warps
+    return chunk, digit, warps
 
 
-def _topk_triton(scores, k, lengths, return_scores, chunk=None):
+def _hist_mask_supported() -> bool:
+    import inspect
+
+    try:
+        return "mask" in inspect.signature(tl.histogram).parameters
+    except Exception:  # pragma: no cover
+        return False
+
+
+_HIST_MASK = zt.HAVE_TRITON and _hist_mask_supported()
+
+
+def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist_mask=None):
     zt.require_triton()
     if not zt.triton_usable_for(scores.device):
         raise RuntimeError(
@@ -164,31 +192,44 @@ def _topk_triton(scores, k, lengths, return_scores, chunk=None):
     out = torch.empty((R, k), dtype=torch.int32, device=scores.device)
     osc = torch.empty((R, k), dtype=torch.float32, device=scores.device) if return_scores else out
     if R > 0:
-        CHUNK, warps = _config(W)
-        if chunk is not None:  # tests only: small chunks cover the multi-chunk logic at small widths
+        CHUNK, DIGIT, warps = _config(W)
+        # overrides are for tests only: small chunks cover the multi-chunk logic at small widths, and
+        # both digit widths / histogram variants are checked against the reference
+        if chunk is not None:
             if chunk < 16 or chunk & (chunk - 1):
                 raise ValueError(f"deterministic_topk: chunk={chunk} must be a power of two >= 16")
             CHUNK = chunk
+        if digit is not None:
+            if digit not in (8, 11):
+                raise ValueError(f"deterministic_topk: digit={digit} must be 8 or 11")
+            DIGIT = digit
+        hmask = _HIST_MASK if hist_mask is None else (hist_mask and _HIST_MASK)
         lens = lengths.to(torch.int32).contiguous() if lengths is not None else out
         _topk_kernel[(R,)](
             scores, lens, out, osc, W, k, scores.stride(0), scores.stride(1),
             HAS_LEN=lengths is not None, RET_SCORES=return_scores, CHUNK=CHUNK,
+            DIGIT=DIGIT, NPASS=(32 + DIGIT - 1) // DIGIT, HIST_MASK=hmask,
             num_warps=warps, **zt.LAUNCH_OPTS,
         )
     return (out, osc) if return_scores else out
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def deterministic_topk(scores: torch.Tensor, k: int, lengths: torch.Tensor | None = None, *,
-                       return_scores: bool = False, backend: str | None = None):
+                       return_scores: bool = False, backend: str | None = None,
+                       check_lengths: bool | None = None):
     """Positions of the k largest (score, position) keys per row, sorted by position descending.
 
     See the module docstring for the contract. ``backend``: None | "triton" | "reference".
+    ``check_lengths`` (addition to the team API): validate the VALUES of ``lengths`` (0 <= L <= W) on the
+    host. Default None = only for CPU tensors, because on CUDA it costs a device sync per call and is
+    impossible inside CUDA-graph capture; the kernel clamps every length to [0, W] regardless.
     """
-    check_inputs(scores, k, lengths, check_values=not _capturing(scores))
+    if check_lengths is None:
+        check_lengths = not scores.is_cuda
+    if check_lengths and scores.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError("deterministic_topk: check_lengths=True needs a host sync, not allowed while "
+                         "capturing a CUDA graph")
+    check_inputs(scores, k, lengths, check_values=check_lengths)
     if backend is None:
         backend = "triton" if (scores.is_cuda and zt.triton_usable_for(scores.device)) else "reference"
     if backend == "reference":
