@@ -1,0 +1,76 @@
+"""Router gate GEMM (zerodiff.ops.router_gemm): FP32 logits, one kernel for every M."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from zerodiff.ops.router_gemm import gemm_config, router_gemm
+from zerodiff.reference.router_gemm import router_gemm_ref
+
+CPU_MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65)
+GPU_MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 1000, 4096)
+
+
+def test_close_to_reference(seeded):
+    g = seeded()
+    x = torch.randn(9, 512, generator=g).to(torch.bfloat16)
+    w = (torch.randn(48, 512, generator=g) * 0.05).to(torch.bfloat16)
+    o = router_gemm(x, w, backend="triton")
+    assert o.dtype == torch.float32 and o.shape == (9, 48)
+    assert torch.allclose(o, router_gemm_ref(x, w), rtol=1e-5, atol=1e-6)
+    assert torch.equal(router_gemm(x, w, backend="reference"), router_gemm_ref(x, w))
+
+
+def test_victim_in_batch(seeded):
+    g = seeded()
+    E, H = 32, 768
+    w = (torch.randn(E, H, generator=g) * 0.05).to(torch.bfloat16)
+    v = torch.randn(3, H, generator=g).to(torch.bfloat16)
+    v[0, :16] = -0.0
+    v[1, :] = 0.5  # plateau: every logit a tie-prone sum
+    alone = [router_gemm(v[i : i + 1], w, backend="triton") for i in range(3)]
+    for rnd in range(2):
+        for M in CPU_MS:
+            pos = sorted({0, M // 2, M - 1})
+            b = (torch.randn(M, H, generator=g) * (1 + rnd)).to(torch.bfloat16)
+            for j, p in enumerate(pos):
+                b[p] = v[j]
+            o = router_gemm(b, w, backend="triton")
+            for j, p in enumerate(pos):
+                assert torch.equal(o[p : p + 1], alone[j]), (M, p)
+
+
+def test_config_and_errors():
+    c = gemm_config(256, 7168)
+    assert c["SPLIT"] >= 1 and c["BLOCK_N"] == 64
+    with pytest.raises(ValueError, match="router_gemm"):
+        router_gemm(torch.zeros(2, 64), torch.zeros(4, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="K mismatch"):
+        router_gemm(torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(4, 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("EH", [(256, 4096), (256, 7168)])
+def test_gpu_victim_in_batch_and_negative_control(EH):
+    E, H = EH
+    g = torch.Generator(device="cuda")
+    g.manual_seed(5)
+    w = (torch.randn(E, H, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    pool = torch.randn(max(GPU_MS) + 3, H, generator=g, device="cuda").to(torch.bfloat16)
+    v = pool[-3:]
+    alone = [router_gemm(v[i : i + 1], w) for i in range(3)]
+    stock_alone = F.linear(v[:1].float(), w.float())
+    stock_differs = False
+    for rnd in range(2):
+        for M in GPU_MS:
+            pos = sorted({0, M // 2, M - 1})
+            b = pool[:M].clone() if rnd == 0 else pool[:M].flip(0).clone()
+            for j, p in enumerate(pos):
+                b[p] = v[j]
+            o = router_gemm(b, w)
+            for j, p in enumerate(pos):
+                assert torch.equal(o[p : p + 1], alone[j]), (EH, M, p, rnd)
+            if not torch.equal(F.linear(b.float(), w.float())[pos[0] : pos[0] + 1], stock_alone):
+                stock_differs = True
+    assert stock_differs, "stock FP32 F.linear never changed with M: the test would prove nothing"
+    assert torch.allclose(alone[0], router_gemm_ref(v[:1], w), rtol=1e-4, atol=1e-5)
