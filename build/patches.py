@@ -78,8 +78,8 @@ _HUNK_RE = re.compile(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@")
 def inspect_patch(path: Path) -> PatchInfo:
     """Subject, touched files and hunks of a patch (git format-patch or plain ``diff --git`` output)."""
     text = path.read_text(errors="replace")
-    m = re.search(r"^Subject:\s*(?:\[PATCH[^\]]*\]\s*)?(.*)$", text, re.M)
-    info = PatchInfo(subject=m.group(1).strip() if m else "(no Subject header)")
+    m = re.search(r"^Subject:\s*(?:\[PATCH[^\]]*\]\s*)?(.*(?:\n[ \t].*)*)$", text, re.M)  # folded lines too
+    info = PatchInfo(subject=" ".join(m.group(1).split()) if m else "(no Subject header)")
     cur_old = cur_new = None
     per_file = 0
     for line in text.splitlines():
@@ -354,7 +354,7 @@ def summary_side(side: str) -> None:
     series = read_series(side)
     tree, is_user = tree_for(side)
     src = f"{side.upper()}_SRC={tree}" if is_user else str(tree)
-    say(f"{side}: {len(series)} patch(es) in patches/{side}/series  (tree: {src})")
+    say(f"{side}: {len(series)} patch(es) in {patches_dir() / side / 'series'}  (tree: {src})")
     recorded = _state(tree) if tree.is_dir() and is_git_toplevel(tree) else set()
     for p in series:
         info = inspect_patch(p)

@@ -272,7 +272,8 @@ def test_apply_unapply_round_trip_restores_the_tree_byte_for_byte(sandbox):
     f = e.files
     e.patch("0001-sampler.patch", {"vllm/sampler.py": replace_line(f["vllm/sampler.py"], "x + 3", "x + 3  # zd")})
     e.patch("0002-new-and-delete.patch", {"vllm/zd_new.py": "Y = 2\n", "vllm/old.py": None,
-                                         "vllm/attn.py": f["vllm/attn.py"] + "\n\ndef extra():\n    pass\n"})
+                                         "vllm/attn.py": f["vllm/attn.py"] + "\n\ndef extra():\n    pass\n"},
+            subject="zerodiff: a deliberately long subject line that git format-patch folds onto a second line")
     e.series("0001-sampler.patch", "0002-new-and-delete.patch")
     before = snapshot(e.tree)
     r = e.run("patches.py", "apply", "--side", "vllm")
@@ -285,6 +286,7 @@ def test_apply_unapply_round_trip_restores_the_tree_byte_for_byte(sandbox):
     assert snapshot(e.tree) == after
     r = e.run("patches.py", "summary", "--side", "vllm")
     assert "0001-sampler.patch  [applied]" in r.stdout and "vllm/zd_new.py" in r.stdout
+    assert "format-patch folds onto a second line\n" in r.stdout  # folded Subject read whole
     r = e.run("patches.py", "unapply", "--side", "vllm")
     assert r.returncode == 0, r.stderr
     assert snapshot(e.tree) == before
