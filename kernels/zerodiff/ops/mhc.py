@@ -435,6 +435,7 @@ def mhc_pre_split_baseline(
     n_sms: int | None = None,
     gemm: str = "auto",
     epilogue: str = "auto",
+    info: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stock-style mHC pre whose bits depend on the batch: NOT batch-invariant, by design.
 
@@ -442,7 +443,9 @@ def mhc_pre_split_baseline(
     "deepgemm" (DeepGEMM's ``tf32_hc_prenorm_gemm``, vLLM's CUDA path), "torch" (per-split fp32 matmuls,
     partials kept apart), or "auto" (DeepGEMM when importable on a CUDA tensor, else torch). The partials
     are added in split order by ``epilogue`` "triton" (our epilogue kernel) or "torch" (fp32 eager),
-    "auto" = triton where it can run. Returns the same triple as :func:`mhc_pre`."""
+    "auto" = triton where it can run. With "auto", a DeepGEMM call that raises falls back to torch.
+    ``info`` (optional dict) receives what ran: ``gemm``, ``n_splits``, ``epilogue``, ``deepgemm_error``.
+    Returns the same triple as :func:`mhc_pre`."""
     _check_pre(residual, fn, hc_scale, hc_base, sinkhorn_iters)
     T, n, H = residual.shape
     K = n * H
@@ -459,16 +462,27 @@ def mhc_pre_split_baseline(
             raise _err("gemm='deepgemm' requested but DeepGEMM's tf32_hc_prenorm_gemm is not importable")
     elif gemm not in ("auto", "torch", "deepgemm"):
         raise _err(f"unknown gemm {gemm!r}")
+    info = {} if info is None else info
+    info["n_splits"] = n_splits
     if use_dg:
         mix = torch.empty(n_splits, T, ref.n_mix(n), dtype=torch.float32, device=residual.device)
         sq = torch.empty(n_splits, T, dtype=torch.float32, device=residual.device)
-        dg.tf32_hc_prenorm_gemm(x, fn.contiguous(), mix, sq, n_splits)
-    else:
+        try:
+            dg.tf32_hc_prenorm_gemm(x, fn.contiguous(), mix, sq, n_splits)
+            info["gemm"] = "deepgemm.tf32_hc_prenorm_gemm"
+        except Exception as e:  # noqa: BLE001 - baseline only; recorded for the benchmark
+            if gemm == "deepgemm":
+                raise
+            info["deepgemm_error"] = f"{type(e).__name__}: {e}"
+            use_dg = False
+    if not use_dg:
         mix, sq = _split_gemm_torch(x, fn, n_splits)
+        info["gemm"] = "torch per-split matmul"
     kw = dict(rms_eps=rms_eps, hc_pre_eps=hc_pre_eps, hc_sinkhorn_eps=hc_sinkhorn_eps,
               hc_post_mult=hc_post_mult, sinkhorn_iters=sinkhorn_iters)
     if epilogue == "auto":
         epilogue = "triton" if zt.triton_usable_for(residual.device) else "torch"
+    info["epilogue"] = epilogue
     if epilogue == "triton":
         return pre_epilogue(mix, sq, residual, hc_scale, hc_base, **kw)
     if epilogue != "torch":
