@@ -295,3 +295,240 @@ def test_moe_act_quant_masked_matches_contiguous(seeded, fmt):
     one = silu_mul_quant_fp8_ref(y[0], group=128)[0]
     from zerodiff.reference.fp8_quant import quant_per_token_group_ref
     assert not torch.equal(quant_per_token_group_ref(two, 128)[0].view(torch.uint8), one.view(torch.uint8))
+
+
+# ------------------------------------------------------------------------------------ Megatron guard
+import torch.nn.functional as F  # noqa: E402
+
+from zerodiff.integrations import megatron as zm  # noqa: E402
+
+GOOD_MEG = dict(
+    tensor_model_parallel_size=1, expert_tensor_parallel_size=1, sequence_parallel=False, context_parallel_size=2,
+    cp_comm_type="all_gather", normalization="RMSNorm", layernorm_zero_centered_gamma=False,
+    fused_residual_rmsnorm=False, gated_linear_unit=True, activation_is_silu=True, glu_linear_offset=0.0,
+    use_te_activation_func=False, add_bias_linear=False, num_moe_experts=256, moe_router_dtype="fp32",
+    moe_router_num_groups=None, moe_router_group_topk=None, moe_expert_capacity_factor=None,
+    moe_input_jitter_eps=None, moe_enable_routing_replay=False, moe_router_force_load_balancing=False,
+    moe_router_force_biased=None, moe_apply_probs_on_input=False, moe_router_score_function="sqrtsoftplus",
+    fp8=None, fp4=None,
+)
+
+BAD_MEG = [
+    ("tensor_model_parallel_size", 2, "tensor_model_parallel_size=2"),
+    ("expert_tensor_parallel_size", 4, "expert_tensor_parallel_size=4"),
+    ("sequence_parallel", True, "sequence_parallel"),
+    ("cp_comm_type", "p2p", "cp_comm_type='p2p'"),
+    ("cp_comm_type", ["all_gather", "a2a"], "cp_comm_type=['all_gather', 'a2a']"),
+    ("normalization", "LayerNorm", "normalization='LayerNorm'"),
+    ("layernorm_zero_centered_gamma", True, "layernorm_zero_centered_gamma"),
+    ("fused_residual_rmsnorm", True, "fused_residual_rmsnorm"),
+    ("gated_linear_unit", False, "gated_linear_unit=False"),
+    ("activation_is_silu", False, "activation_func silu=False"),
+    ("glu_linear_offset", 1.0, "glu_linear_offset=1.0"),
+    ("use_te_activation_func", True, "use_te_activation_func"),
+    ("add_bias_linear", True, "add_bias_linear"),
+    ("moe_router_dtype", None, "moe_router_dtype=None"),
+    ("moe_router_dtype", "fp64", "moe_router_dtype='fp64'"),
+    ("moe_router_group_topk", 4, "moe_router_group_topk=4"),
+    ("moe_expert_capacity_factor", 1.25, "moe_expert_capacity_factor=1.25"),
+    ("moe_input_jitter_eps", 0.01, "moe_input_jitter_eps=0.01"),
+    ("moe_enable_routing_replay", True, "moe_enable_routing_replay"),
+    ("moe_router_force_load_balancing", True, "moe_router_force_load_balancing"),
+    ("moe_router_force_biased", 0.5, "moe_router_force_biased=0.5"),
+    ("moe_apply_probs_on_input", True, "moe_apply_probs_on_input"),
+    ("moe_router_score_function", "gumbel", "moe_router_score_function='gumbel'"),
+    ("fp8", "e4m3", "fp8='e4m3'"),
+    ("fp4", "e2m1", "fp4='e2m1'"),
+]
+
+
+def test_megatron_validate_accepts_good():
+    zm.validate_config(**GOOD_MEG)
+    zm.validate_config(**{**GOOD_MEG, "context_parallel_size": 1, "cp_comm_type": "p2p"})  # CP off: ignored
+    zm.validate_config(**{**GOOD_MEG, "num_moe_experts": None, "moe_router_dtype": None})  # dense model
+
+
+@pytest.mark.parametrize("key,value,needle", BAD_MEG)
+def test_megatron_validate_refuses(key, value, needle):
+    with pytest.raises(ConfigError) as ei:
+        zm.validate_config(**{**GOOD_MEG, key: value})
+    assert needle in str(ei.value) and "Megatron" in str(ei.value)
+
+
+def test_megatron_check_config_object():
+    cfg = NS(tensor_model_parallel_size=1, expert_tensor_parallel_size=None, sequence_parallel=False,
+             context_parallel_size=1, cp_comm_type=None, normalization="RMSNorm", gated_linear_unit=True,
+             activation_func=F.silu, add_bias_linear=False, num_moe_experts=8, moe_router_dtype="fp32",
+             moe_router_score_function="softmax")
+    assert zm.check_transformer_config(cfg, {"ZERODIFF_CONSISTENT": "1"}) is True
+    bad = NS(**{**vars(cfg), "activation_func": F.gelu, "tensor_model_parallel_size": 8})
+    with pytest.raises(ConfigError) as ei:
+        zm.check_transformer_config(bad, {"ZERODIFF_CONSISTENT": "1"})
+    assert "tensor_model_parallel_size=8" in str(ei.value) and "silu=False" in str(ei.value)
+    assert zm.check_transformer_config(bad, {}) is False  # switch off: no-op
+
+
+# ----------------------------------------------------------------------------- Megatron autograd wrappers
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def test_router_logits_value_and_grad(seeded):
+    from zerodiff.ops.router_gemm import router_gemm
+
+    g = seeded()
+    x = torch.randn(3, 2, 64, generator=g).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(8, 64, generator=g) * 0.1).to(torch.bfloat16).requires_grad_(True)
+    out = zm.router_logits(x, w)
+    assert out.dtype == torch.float32 and out.shape == (3, 2, 8)
+    assert torch.equal(out.detach().reshape(6, 8), router_gemm(x.detach().reshape(6, 64), w.detach()))
+    gy = torch.randn(3, 2, 8, generator=g)
+    out.backward(gy)
+    xd, wd = x.detach().double(), w.detach().double()
+    assert _rel(x.grad, (gy.double() @ wd)) < 1e-2
+    assert _rel(w.grad, gy.double().reshape(6, 8).t() @ xd.reshape(6, 64)) < 1e-2
+    with pytest.raises(ConfigError, match="bfloat16"):
+        zm.router_logits(x.detach().float(), w.detach())
+    with pytest.raises(ConfigError, match="bias"):
+        zm.router_logits(x.detach(), w.detach(), torch.zeros(8))
+
+
+def test_router_weight_version_check(seeded):
+    g = seeded()
+    x = torch.randn(4, 32, generator=g).to(torch.bfloat16).requires_grad_(True)
+    w = torch.nn.Parameter((torch.randn(8, 32, generator=g) * 0.1).to(torch.bfloat16))
+    out = zm.router_logits(x, w)
+    with torch.no_grad():
+        w.add_(1.0)  # an optimizer step between forward and backward
+    with pytest.raises(zm.WeightVersionError, match="changed in place"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("score,pre", [("softmax", False), ("softmax", True), ("sigmoid", False),
+                                       ("sqrtsoftplus", False)])
+def test_topk_routing_values_and_grad(seeded, score, pre):
+    from zerodiff.ops.moe import route
+
+    g = seeded(score)
+    T, E, k = 10, 16, 4
+    logits = (torch.randint(-8, 8, (T, E), generator=g).float() / 4).requires_grad_(True)  # ties
+    bias = torch.randn(E, generator=g) * 0.01 if score != "softmax" else None
+    probs, rmap = zm.topk_routing(logits, k, score_function=score, use_pre_softmax=pre, scaling_factor=2.5,
+                                  expert_bias=bias)
+    renorm = score != "softmax" or not pre
+    w, ids = route(logits.detach(), k, scoring=score, bias=bias, renormalize=renorm, routed_scale=2.5)
+    dense = torch.zeros(T, E).scatter(1, ids.long(), w)
+    assert torch.equal(probs.detach(), dense)
+    assert torch.equal(rmap, dense != 0) and int(rmap.sum()) == T * k
+    # gradient: the same formula in float64 at the selected ids
+    gy = torch.randn(T, E, generator=g)
+    probs.backward(gy)
+    ld = logits.detach().double().requires_grad_(True)
+    sc = {"softmax": lambda z: torch.softmax(z, -1), "sigmoid": torch.sigmoid,
+          "sqrtsoftplus": lambda z: F.softplus(z).sqrt()}[score](ld)
+    sel = sc.gather(1, ids.long())
+    if renorm:
+        sel = sel / sel.sum(-1, keepdim=True)
+    (gref,) = torch.autograd.grad((sel * 2.5 * gy.double().gather(1, ids.long())).sum(), ld)
+    assert _rel(logits.grad, gref) < 1e-5
+
+
+def test_swiglu_value_and_grad(seeded):
+    from zerodiff.reference.silu_mul_quant import silu_mul_ref
+
+    g = seeded()
+    x = (torch.randn(2, 3, 64, generator=g) * 3).to(torch.bfloat16).requires_grad_(True)
+    y = zm.swiglu(x, clamp_limit=2.0)
+    assert torch.equal(y.detach().reshape(6, 32), silu_mul_ref(x.detach().reshape(6, 64), clamp_limit=2.0))
+    gy = torch.randn(2, 3, 32, generator=g)
+    y.backward(gy)
+    xd = x.detach().double().requires_grad_(True)
+    gg, uu = xd.chunk(2, -1)
+    ref = F.silu(gg.clamp(max=2.0)) * uu.clamp(-2.0, 2.0)
+    (gref,) = torch.autograd.grad(ref, xd, gy.double())
+    assert _rel(x.grad, gref) < 1e-2
+    # negative control: the stock bf16 graph (two roundings) differs from the one-rounding value
+    stock = F.silu(x.detach()[..., :32].clamp(max=2.0)) * x.detach()[..., 32:].clamp(-2.0, 2.0)
+    assert not torch.equal(stock, y.detach())
+
+
+def test_mlp_activation_refusals(seeded):
+    x = torch.randn(4, 64, generator=seeded()).to(torch.bfloat16)
+    cfg = NS(gated_linear_unit=True, glu_linear_offset=0.0, activation_func_clamp_value=None)
+    assert zm.mlp_activation(cfg, F.silu, x, None, None).shape == (4, 32)
+    with pytest.raises(ConfigError, match="bias"):
+        zm.mlp_activation(cfg, F.silu, x, torch.zeros(64, dtype=torch.bfloat16), None)
+    with pytest.raises(ConfigError, match="per_token_scale"):
+        zm.mlp_activation(cfg, F.silu, x, None, torch.ones(4))
+    with pytest.raises(ConfigError, match="SwiGLU"):
+        zm.mlp_activation(cfg, F.gelu, x, None, None)
+
+
+def test_rmsnorm_module_value_and_grad(seeded):
+    from zerodiff.reference.rmsnorm import rms_norm_ref
+
+    g = seeded()
+    norm = zm.RMSNorm(64, eps=1e-5, config=NS(params_dtype=torch.bfloat16, layernorm_zero_centered_gamma=False))
+    assert list(norm.state_dict()) == ["weight"]
+    with torch.no_grad():
+        norm.weight.copy_((1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16))
+    x = (torch.randn(3, 2, 64, generator=g) * 2).to(torch.bfloat16).requires_grad_(True)
+    y = norm(x)
+    assert torch.equal(y.detach().reshape(6, 64), rms_norm_ref(x.detach().reshape(6, 64), norm.weight.detach(), 1e-5))
+    gy = torch.randn(3, 2, 64, generator=g)
+    y.backward(gy)
+    xd = x.detach().double().requires_grad_(True)
+    wd = norm.weight.detach().double().requires_grad_(True)
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * wd
+    gx, gw = torch.autograd.grad(ref, (xd, wd), gy.double())
+    assert _rel(x.grad, gx) < 1e-2 and _rel(norm.weight.grad, gw) < 1e-2
+    with pytest.raises(ConfigError, match="zero_centered_gamma"):
+        zm.RMSNorm(64, config=NS(layernorm_zero_centered_gamma=True))
+
+
+def test_cross_entropy_is_minus_logprob(seeded):
+    from zerodiff.ops.logprobs import token_logprobs
+
+    g = seeded()
+    s, b, V = 3, 2, 50
+    logits = (torch.randn(s, b, V, generator=g) * 3).to(torch.bfloat16).requires_grad_(True)
+    target = torch.randint(0, V, (s, b), generator=g)
+    loss = zm.cross_entropy(logits, target)
+    lp = token_logprobs(logits.detach().reshape(-1, V), target.reshape(-1))
+    assert loss.shape == (s, b) and loss.dtype == torch.float32
+    assert torch.equal(-loss.detach().reshape(-1), lp)  # negation is exact
+    gy = torch.randn(s, b, generator=g)
+    loss.backward(gy)
+    ld = logits.detach().double().requires_grad_(True)
+    ref = -torch.log_softmax(ld, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    (gref,) = torch.autograd.grad(ref, ld, gy.double())
+    assert _rel(logits.grad, gref) < 1e-2
+    with pytest.raises(ConfigError, match="label_smoothing"):
+        zm.cross_entropy(logits.detach(), target, label_smoothing=0.1)
+    # temperature variant
+    lpt = zm.token_logprobs(logits.detach(), target, temperature=0.7)
+    assert torch.equal(lpt.reshape(-1), token_logprobs(logits.detach().reshape(-1, V), target.reshape(-1),
+                                                       temperature=0.7))
+
+
+def test_fp8_linear_forward_and_ste(seeded):
+    from zerodiff.ops.fp8_gemm import fp8_linear
+    from zerodiff.ops.fp8_quant import Fp8Weight
+
+    g = seeded()
+    lin = zm.Fp8Linear((torch.randn(128, 128, generator=g) * 0.05).to(torch.bfloat16))
+    x = torch.randn(5, 128, generator=g).to(torch.bfloat16).requires_grad_(True)
+    y = lin(x)
+    assert torch.equal(y.detach(), fp8_linear(x.detach(), Fp8Weight.from_master(lin.weight.detach())))
+    gy = torch.randn(5, 128, generator=g)
+    y.backward(gy)
+    assert _rel(x.grad, gy.double() @ lin.weight.detach().double()) < 1e-2
+    assert _rel(lin.weight.grad, gy.double().t() @ x.detach().double()) < 1e-2
+    q_ptr = lin.fp8.q.data_ptr()
+    with torch.no_grad():
+        lin.weight.mul_(1.5)
+    with pytest.raises(zm.WeightVersionError, match="refresh"):
+        lin(x)
+    lin.refresh()
+    assert lin.fp8.q.data_ptr() == q_ptr  # requantised in place (CUDA-graph safe)
+    assert torch.equal(lin(x.detach()), fp8_linear(x.detach(), Fp8Weight.from_master(lin.weight.detach())))

@@ -1,0 +1,522 @@
+"""megatron-core 0.19.2 glue: the fail-closed config guard and the training-side autograd wrappers that
+the ``patches/megatron`` series calls when consistency mode is on (``ZERODIFF_CONSISTENT=1``).
+
+The rule (DESIGN "The one rule"): the training forward calls the SAME zerodiff ops the rollout calls, with
+the same arguments, so every forward value is bit-identical to the rollout's; each op is wrapped in an
+``autograd.Function`` whose backward differentiates an equivalent FP32 PyTorch graph (recomputed from
+the saved inputs) w.r.t. the BF16 inputs/master weights. Every backward first checks that the weights are
+the version the forward saw (:class:`WeightVersionError` otherwise).
+
+Config guard
+------------
+``validate_config(**plain_values)`` / ``check_transformer_config(config)`` (called at the end of the
+patched ``TransformerConfig.__post_init__``) refuse, naming the setting:
+
+* ``tensor_model_parallel_size > 1`` and ``expert_tensor_parallel_size > 1``: TP reductions in the
+  compared path (DESIGN "cross-GPU"); ``sequence_parallel`` (only meaningful with TP).
+* ``context_parallel_size > 1`` unless ``cp_comm_type == "all_gather"`` (the contract allows a CP
+  all-gather only, never a partial-attention merge).
+* ``normalization`` other than ``RMSNorm``, ``layernorm_zero_centered_gamma``, ``fused_residual_rmsnorm``
+  (the zerodiff norm has neither the shifted gamma nor TE's fused-residual interface).
+* MLP: ``gated_linear_unit`` must be on with ``activation_func`` SiLU (SwiGLU), ``glu_linear_offset == 0``,
+  ``use_te_activation_func`` off, ``add_bias_linear`` off (the rollout has no biases there).
+* MoE (``num_moe_experts`` set): ``moe_router_dtype`` must be ``fp32``; refused:
+  ``moe_router_num_groups``/``moe_router_group_topk`` (group-limited routing), ``moe_expert_capacity_factor``
+  (token dropping depends on the batch), ``moe_input_jitter_eps`` (random noise), ``moe_enable_routing_replay``
+  (consistency mode computes routing itself), ``moe_router_force_load_balancing``,
+  ``moe_router_force_biased``, ``moe_apply_probs_on_input`` (scales before FC2 with an extra rounding; the
+  contract combines in FP32 after), ``moe_router_score_function`` outside softmax/sigmoid/sqrtsoftplus.
+* ``calculate_per_token_loss`` is not required; ``cross_entropy_loss_fusion`` is allowed (the patched
+  ``vocab_parallel_cross_entropy`` is replaced as a whole).
+* ``fp8``/``fp4`` recipes through Transformer Engine: refused; FP8 linears go through
+  :func:`fp8_linear` (``Fp8Linear``) instead (DESIGN "dense block-FP8 GEMM").
+
+Autograd wrappers (public)
+--------------------------
+* ``router_logits(x, weight, bias=None) -> fp32``: ``zerodiff.ops.router_gemm`` (x bf16 ``[..., H]``,
+  weight bf16 ``[E, H]``); backward: FP32 ``grad @ W`` / ``grad^T @ x`` cast to the input dtypes.
+* ``topk_routing(logits, topk, *, score_function, use_pre_softmax, scaling_factor, expert_bias)
+  -> (probs [T, E], routing_map bool [T, E])``: values from ``zerodiff.ops.moe.route`` (deterministic
+  top-k, ties to the larger expert id); gradient through the same formula in PyTorch at the selected ids
+  (``visible + (graph - graph.detach())``). Renormalisation: on for sigmoid/sqrtsoftplus (k > 1) and for
+  softmax applied after the top-k; off for pre-softmax (Megatron's own semantics).
+* ``swiglu(x, clamp_limit=None)``: ``zerodiff.ops.silu_mul_quant.silu_mul`` (one BF16 rounding);
+  backward: FP32 graph of the clamped SiLU*up. ``mlp_activation(config, activation_func, x, bias,
+  per_token_scale)`` is the MLP hook.
+* ``RMSNorm(hidden_size, eps, config=None)``: a ``torch.nn.Module`` with one ``weight`` parameter (same
+  state-dict key as the stock norms), forward ``zerodiff.ops.rmsnorm.rms_norm``; backward: FP32 graph.
+* ``cross_entropy(logits, target, label_smoothing=0.0) -> fp32``: ``-zerodiff.ops.logprobs.token_logprobs``
+  (negation is exact, so ``-loss`` is bit-identical to the rollout's sampled-token log-prob); backward
+  ``softmax - onehot`` in FP32. ``token_logprobs(logits, target, temperature=1.0)`` is the same with the
+  sign of a log-prob.
+* ``Fp8Linear`` / ``fp8_linear(x, master_weight, fp8_weight)``: forward ``zerodiff.ops.fp8_gemm.fp8_linear``
+  on the deployment bytes (``Fp8Weight`` requantised from the BF16 master by the deployment rule); backward
+  straight-through: FP32 ``grad @ W_master`` and ``grad^T @ x`` w.r.t. the BF16 master.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import ConfigError, _problems_to_error, enabled
+
+__all__ = [
+    "WeightVersionError",
+    "validate_config",
+    "config_values",
+    "check_transformer_config",
+    "router_logits",
+    "topk_routing",
+    "swiglu",
+    "mlp_activation",
+    "RMSNorm",
+    "rms_norm",
+    "cross_entropy",
+    "token_logprobs",
+    "fp8_linear",
+    "Fp8Linear",
+]
+
+_SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+class WeightVersionError(RuntimeError):
+    """A master weight was modified in place between a zerodiff forward and its backward."""
+
+
+# ------------------------------------------------------------------------------------------ config guard
+def validate_config(
+    *,
+    tensor_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    sequence_parallel: bool = False,
+    context_parallel_size: int = 1,
+    cp_comm_type: Any = None,
+    normalization: str = "RMSNorm",
+    layernorm_zero_centered_gamma: bool = False,
+    fused_residual_rmsnorm: bool = False,
+    gated_linear_unit: bool = True,
+    activation_is_silu: bool = True,
+    glu_linear_offset: float = 0.0,
+    use_te_activation_func: bool = False,
+    add_bias_linear: bool = False,
+    num_moe_experts: int | None = None,
+    moe_router_dtype: str | None = "fp32",
+    moe_router_num_groups: int | None = None,
+    moe_router_group_topk: int | None = None,
+    moe_expert_capacity_factor: float | None = None,
+    moe_input_jitter_eps: float | None = None,
+    moe_enable_routing_replay: bool = False,
+    moe_router_force_load_balancing: bool = False,
+    moe_router_force_biased: Any = None,
+    moe_apply_probs_on_input: bool = False,
+    moe_router_score_function: str = "softmax",
+    fp8: str | None = None,
+    fp4: str | None = None,
+) -> None:
+    """Raise :class:`ConfigError` naming every setting that breaks diff = 0 (see the module docstring)."""
+    p: list[str] = []
+    if int(tensor_model_parallel_size or 1) > 1:
+        p.append(f"tensor_model_parallel_size={tensor_model_parallel_size}: TP > 1 puts a cross-GPU reduction "
+                 "in the compared path; use 1")
+    if expert_tensor_parallel_size is not None and int(expert_tensor_parallel_size) > 1:
+        p.append(f"expert_tensor_parallel_size={expert_tensor_parallel_size}: expert TP reduces across GPUs; "
+                 "use 1")
+    if sequence_parallel:
+        p.append("sequence_parallel=True: needs TP > 1 reductions; turn it off")
+    if int(context_parallel_size or 1) > 1:
+        kinds = cp_comm_type if isinstance(cp_comm_type, (list, tuple)) else [cp_comm_type]
+        if any(k != "all_gather" for k in kinds):
+            p.append(f"cp_comm_type={cp_comm_type!r} with context_parallel_size={context_parallel_size}: only "
+                     "the all-gather CP (no partial-attention merge) keeps diff = 0; use cp_comm_type='all_gather'")
+    if normalization != "RMSNorm":
+        p.append(f"normalization={normalization!r}: only RMSNorm is routed through zerodiff")
+    if layernorm_zero_centered_gamma:
+        p.append("layernorm_zero_centered_gamma=True: not supported by the zerodiff RMSNorm")
+    if fused_residual_rmsnorm:
+        p.append("fused_residual_rmsnorm=True: the TE fused-residual norm is not routed; turn it off")
+    if not gated_linear_unit or not activation_is_silu:
+        p.append(f"gated_linear_unit={gated_linear_unit} / activation_func silu={activation_is_silu}: only "
+                 "SwiGLU (gated SiLU) is routed through zerodiff")
+    if glu_linear_offset:
+        p.append(f"glu_linear_offset={glu_linear_offset}: not supported (the rollout has none)")
+    if use_te_activation_func:
+        p.append("use_te_activation_func=True: the TE activation bypasses zerodiff; turn it off")
+    if add_bias_linear:
+        p.append("add_bias_linear=True: linear biases are not supported in consistency mode")
+    if num_moe_experts:
+        if moe_router_dtype != "fp32":
+            p.append(f"moe_router_dtype={moe_router_dtype!r}: the router GEMM must produce FP32 logits; "
+                     "use moe_router_dtype='fp32'")
+        if moe_router_num_groups or moe_router_group_topk:
+            p.append(f"moe_router_num_groups={moe_router_num_groups} / moe_router_group_topk="
+                     f"{moe_router_group_topk}: group-limited routing is not supported")
+        if moe_expert_capacity_factor is not None:
+            p.append(f"moe_expert_capacity_factor={moe_expert_capacity_factor}: token dropping depends on the "
+                     "batch; use None (dropless)")
+        if moe_input_jitter_eps:
+            p.append(f"moe_input_jitter_eps={moe_input_jitter_eps}: random router input noise; use None")
+        if moe_enable_routing_replay:
+            p.append("moe_enable_routing_replay=True: consistency mode recomputes routing bit-identically; "
+                     "turn replay off")
+        if moe_router_force_load_balancing:
+            p.append("moe_router_force_load_balancing=True: random logits; turn it off")
+        if moe_router_force_biased is not None:
+            p.append(f"moe_router_force_biased={moe_router_force_biased}: random logit bias; use None")
+        if moe_apply_probs_on_input:
+            p.append("moe_apply_probs_on_input=True: probs must be applied in the FP32 combine, not before FC2")
+        if moe_router_score_function not in _SCORES:
+            p.append(f"moe_router_score_function={moe_router_score_function!r}: use one of {_SCORES}")
+    if fp8:
+        p.append(f"fp8={fp8!r}: Transformer Engine FP8 recipes are not bit-compatible with the rollout; leave "
+                 "fp8 unset and use zerodiff's Fp8Linear (block-FP8 by the deployment rule)")
+    if fp4:
+        p.append(f"fp4={fp4!r}: FP4 training recipes are not supported in consistency mode")
+    _problems_to_error("Megatron", p)
+
+
+def config_values(config: Any) -> dict:
+    """Plain values for :func:`validate_config`, read off a ``TransformerConfig`` (or a look-alike)."""
+    g = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+    act = g("activation_func")
+    return dict(
+        tensor_model_parallel_size=g("tensor_model_parallel_size", 1),
+        expert_tensor_parallel_size=g("expert_tensor_parallel_size"),
+        sequence_parallel=bool(g("sequence_parallel", False)),
+        context_parallel_size=g("context_parallel_size", 1),
+        cp_comm_type=g("cp_comm_type"),
+        normalization=g("normalization", "LayerNorm"),
+        layernorm_zero_centered_gamma=bool(g("layernorm_zero_centered_gamma", False)),
+        fused_residual_rmsnorm=bool(g("fused_residual_rmsnorm", False)),
+        gated_linear_unit=bool(g("gated_linear_unit", False)),
+        activation_is_silu=act is F.silu,
+        glu_linear_offset=g("glu_linear_offset", 0.0) or 0.0,
+        use_te_activation_func=bool(g("use_te_activation_func", False)),
+        add_bias_linear=bool(g("add_bias_linear", False)),
+        num_moe_experts=g("num_moe_experts"),
+        moe_router_dtype=g("moe_router_dtype"),
+        moe_router_num_groups=g("moe_router_num_groups"),
+        moe_router_group_topk=g("moe_router_group_topk"),
+        moe_expert_capacity_factor=g("moe_expert_capacity_factor"),
+        moe_input_jitter_eps=g("moe_input_jitter_eps"),
+        moe_enable_routing_replay=bool(g("moe_enable_routing_replay", False)),
+        moe_router_force_load_balancing=bool(g("moe_router_force_load_balancing", False)),
+        moe_router_force_biased=g("moe_router_force_biased"),
+        moe_apply_probs_on_input=bool(g("moe_apply_probs_on_input", False)),
+        moe_router_score_function=g("moe_router_score_function", "softmax"),
+        fp8=g("fp8"),
+        fp4=g("fp4"),
+    )
+
+
+def check_transformer_config(config: Any, environ=None) -> bool:
+    """The guard the patched ``TransformerConfig.__post_init__`` calls: no-op (False) when consistency mode
+    is off; else validate (raising :class:`ConfigError`) and return True."""
+    if not enabled(environ):
+        return False
+    validate_config(**config_values(config))
+    return True
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _versions(*ts):
+    return tuple(None if t is None else t._version for t in ts)
+
+
+def _check_versions(ctx, *ts):
+    now = _versions(*ts)
+    if now != ctx.zd_versions:
+        raise WeightVersionError(
+            f"zerodiff: a master weight changed in place between forward and backward (versions "
+            f"{ctx.zd_versions} -> {now}); the backward would differentiate other weights than the forward "
+            "used. Run the optimizer step only after backward.")
+
+
+# ---------------------------------------------------------------------------------------------- router
+class _RouterGemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, w):
+        from ..ops.router_gemm import router_gemm
+
+        ctx.save_for_backward(x2)
+        ctx.zd_weight = w  # kept off save_for_backward so our version check names the problem
+        ctx.zd_versions = _versions(w)
+        return router_gemm(x2, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        w = ctx.zd_weight
+        _check_versions(ctx, w)
+        (x2,) = ctx.saved_tensors
+        g = g.float()
+        gx = (g @ w.float()).to(x2.dtype) if ctx.needs_input_grad[0] else None
+        gw = (g.t() @ x2.float()).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """FP32 router logits ``[..., E]`` from bf16 ``x [..., H]`` and bf16 ``weight [E, H]`` via
+    ``zerodiff.ops.router_gemm`` (same kernel at every token count)."""
+    if bias is not None:
+        raise ConfigError("zerodiff router: a router bias is not supported in consistency mode")
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise ConfigError(f"zerodiff router: input ({x.dtype}) and router weight ({weight.dtype}) must be "
+                          "bfloat16 (the rollout's gate weight is the BF16 master)")
+    lead = x.shape[:-1]
+    out = _RouterGemm.apply(x.reshape(-1, x.shape[-1]), weight)
+    return out.view(*lead, weight.shape[0])
+
+
+def _score_graph(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    x = logits.float()
+    if score_function == "softmax":
+        return torch.softmax(x, dim=-1)
+    if score_function == "sigmoid":
+        return torch.sigmoid(x)
+    return F.softplus(x).sqrt()
+
+
+def topk_routing(logits: torch.Tensor, topk: int, *, score_function: str = "softmax",
+                 use_pre_softmax: bool = False, scaling_factor: float | None = None,
+                 expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's ``(probs [T, E], routing_map bool [T, E])`` computed by ``zerodiff.ops.moe.route``.
+
+    Values are the zerodiff op's (the rollout's); the gradient w.r.t. ``logits`` flows through the same
+    formula written in PyTorch at the selected expert ids."""
+    from ..ops.moe import route
+
+    if score_function not in _SCORES:
+        raise ConfigError(f"zerodiff routing: moe_router_score_function={score_function!r} not supported")
+    lg = logits.reshape(-1, logits.shape[-1])
+    if lg.dtype != torch.float32:
+        raise ConfigError(f"zerodiff routing: router logits must be fp32 (moe_router_dtype='fp32'), got {lg.dtype}")
+    softmax_after = score_function == "softmax" and not use_pre_softmax
+    renorm = topk > 1 and (score_function != "softmax" or softmax_after)
+    # softmax over the selected logits == softmax scores renormalised over the selection (same math)
+    bias = None if expert_bias is None else expert_bias.detach().float()
+    w, ids = route(lg.detach(), topk, scoring=score_function, bias=bias, renormalize=renorm,
+                   routed_scale=float(scaling_factor) if scaling_factor else 1.0)
+    idx = ids.long().clamp(min=0)
+    if lg.requires_grad:
+        sc = _score_graph(lg, score_function)
+        gw = sc.gather(1, idx)
+        if renorm:
+            gw = gw / gw.sum(dim=-1, keepdim=True)
+        if scaling_factor:
+            gw = gw * scaling_factor
+        w = w + (gw - gw.detach())
+    probs = torch.zeros_like(lg).scatter(1, idx, w)
+    routing_map = torch.zeros_like(lg, dtype=torch.bool).scatter(1, idx, ids >= 0)
+    return probs, routing_map
+
+
+# ---------------------------------------------------------------------------------------------- SwiGLU
+def _swiglu_graph(x: torch.Tensor, clamp_limit):
+    g, u = x.float().chunk(2, dim=-1)
+    if clamp_limit is not None:
+        g = g.clamp(max=clamp_limit)
+        u = u.clamp(min=-clamp_limit, max=clamp_limit)
+    return F.silu(g) * u
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, clamp_limit):
+        from ..ops.silu_mul_quant import silu_mul
+
+        ctx.save_for_backward(x)
+        ctx.clamp_limit = clamp_limit
+        lead = x.shape[:-1]
+        y = silu_mul(x.reshape(-1, x.shape[-1]), clamp_limit=clamp_limit)
+        return y.view(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xf = x.detach().float().requires_grad_(True)
+            y = _swiglu_graph(xf, ctx.clamp_limit)
+            (gx,) = torch.autograd.grad(y, xf, g.float())
+        return gx.to(x.dtype), None
+
+
+def swiglu(x: torch.Tensor, clamp_limit: float | None = None) -> torch.Tensor:
+    """SiLU(gate) * up on bf16 ``[..., 2N]`` with one BF16 rounding (``zerodiff.ops.silu_mul_quant``)."""
+    if x.dtype != torch.bfloat16:
+        raise ConfigError(f"zerodiff SwiGLU: activations must be bfloat16, got {x.dtype}")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return _SiluMul.apply(x, clamp_limit)
+
+
+def mlp_activation(config: Any, activation_func, x: torch.Tensor, bias: torch.Tensor | None,
+                   per_token_scale: torch.Tensor | None) -> torch.Tensor:
+    """The patched ``MLP.forward`` activation: SwiGLU through zerodiff; anything else refused."""
+    if bias is not None:
+        raise ConfigError("zerodiff MLP: fc1 bias is not supported in consistency mode (add_bias_linear=False)")
+    if per_token_scale is not None:
+        raise ConfigError("zerodiff MLP: per_token_scale (moe_apply_probs_on_input) is not supported")
+    if not getattr(config, "gated_linear_unit", False) or activation_func is not F.silu:
+        raise ConfigError("zerodiff MLP: only SwiGLU (gated_linear_unit=True, activation_func=F.silu) is "
+                          "supported in consistency mode")
+    if getattr(config, "glu_linear_offset", 0.0):
+        raise ConfigError("zerodiff MLP: glu_linear_offset must be 0")
+    return swiglu(x, getattr(config, "activation_func_clamp_value", None))
+
+
+# --------------------------------------------------------------------------------------------- RMSNorm
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        from ..ops.rmsnorm import rms_norm as zd_rms_norm
+
+        ctx.save_for_backward(x)
+        ctx.zd_weight = weight
+        ctx.eps = eps
+        ctx.zd_versions = _versions(weight)
+        return zd_rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, g):
+        weight = ctx.zd_weight
+        _check_versions(ctx, weight)
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xf = x.detach().float().requires_grad_(True)
+            wf = weight.detach().float().requires_grad_(True)
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + ctx.eps) * wf
+            gx, gw = torch.autograd.grad(y, (xf, wf), g.float())
+        return gx.to(x.dtype), gw.to(weight.dtype), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Differentiable ``zerodiff.ops.rmsnorm.rms_norm`` (x bf16 ``[..., H]``)."""
+    if x.dtype != torch.bfloat16:
+        raise ConfigError(f"zerodiff RMSNorm: input must be bfloat16, got {x.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return _RMSNorm.apply(x, weight, float(eps))
+
+
+class RMSNorm(torch.nn.Module):
+    """Drop-in for Megatron's RMSNorm (``weight`` parameter, same state-dict key) computing the rollout's
+    value with ``zerodiff.ops.rmsnorm`` and an FP32 backward."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, config: Any = None, dtype=None, device=None):
+        super().__init__()
+        if config is not None and getattr(config, "layernorm_zero_centered_gamma", False):
+            raise ConfigError("zerodiff RMSNorm: layernorm_zero_centered_gamma is not supported")
+        if dtype is None:
+            dtype = getattr(config, "params_dtype", None) or torch.float32
+        if device is None and config is not None and not getattr(config, "use_cpu_initialization", True):
+            device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.hidden_size = int(hidden_size)
+        self.eps = float(eps)
+        self.weight = torch.nn.Parameter(torch.ones(self.hidden_size, dtype=dtype, device=device))
+        if config is not None and getattr(config, "sequence_parallel", False):
+            setattr(self.weight, "sequence_parallel", True)
+
+    def reset_parameters(self):
+        torch.nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps} (zerodiff)"
+
+
+# ------------------------------------------------------------------------------------------- log-probs
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits2, ids, temperature):
+        from ..ops.logprobs import token_logprobs as zd_token_logprobs
+
+        ctx.save_for_backward(logits2, ids)
+        ctx.temperature = temperature
+        return zd_token_logprobs(logits2, ids, temperature=temperature)
+
+    @staticmethod
+    def backward(ctx, g):
+        logits2, ids = ctx.saved_tensors
+        t = ctx.temperature
+        p = torch.softmax(logits2.float() / t, dim=-1)
+        onehot = torch.zeros_like(p).scatter_(1, ids.view(-1, 1), 1.0)
+        gl = (onehot - p) * (g.float() / t).unsqueeze(1)
+        return gl.to(logits2.dtype), None, None
+
+
+def token_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """FP32 log-prob of ``target`` under ``logits / temperature`` (``[..., V]`` -> ``[...]``), bit-identical
+    to the rollout's ``zerodiff.ops.logprobs.token_logprobs``; differentiable w.r.t. ``logits``."""
+    V = logits.shape[-1]
+    lead = target.shape
+    lg = logits.reshape(-1, V)
+    if lg.stride(-1) != 1:
+        lg = lg.contiguous()
+    out = _TokenLogprobs.apply(lg, target.reshape(-1).long(), float(temperature))
+    return out.view(lead)
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Megatron's ``vocab_parallel_cross_entropy`` in consistency mode (TP = 1): ``-token_logprobs``."""
+    if label_smoothing:
+        raise ConfigError(f"zerodiff cross entropy: label_smoothing={label_smoothing} is not supported")
+    return -token_logprobs(logits, target)
+
+
+# --------------------------------------------------------------------------------------------- FP8 linear
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, master, fp8_weight):
+        from ..ops.fp8_gemm import fp8_linear as zd_fp8_linear
+
+        ctx.save_for_backward(x2)
+        ctx.zd_weight = master
+        ctx.zd_versions = _versions(master)
+        return zd_fp8_linear(x2, fp8_weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        master = ctx.zd_weight
+        _check_versions(ctx, master)
+        (x2,) = ctx.saved_tensors
+        g = g.float()
+        gx = (g @ master.float()).to(x2.dtype) if ctx.needs_input_grad[0] else None
+        gw = (g.t() @ x2.float()).to(master.dtype) if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
+def fp8_linear(x: torch.Tensor, master_weight: torch.Tensor, fp8_weight) -> torch.Tensor:
+    """Block-FP8 linear forward (``zerodiff.ops.fp8_gemm.fp8_linear`` on ``fp8_weight``, the deployment bytes
+    of ``master_weight``), straight-through backward w.r.t. the BF16 master."""
+    lead = x.shape[:-1]
+    out = _Fp8Linear.apply(x.reshape(-1, x.shape[-1]), master_weight, fp8_weight)
+    return out.view(*lead, out.shape[-1])
+
+
+class Fp8Linear(torch.nn.Module):
+    """BF16 master ``weight [N, K]`` + its block-FP8 deployment copy, requantised IN PLACE (same storage,
+    CUDA-graph safe) by :meth:`refresh` after each optimizer step. Forward refuses a stale deployment."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        from ..ops.fp8_quant import Fp8Weight
+
+        self.weight = torch.nn.Parameter(weight.detach().to(torch.bfloat16).clone())
+        self.fp8 = Fp8Weight.from_master(self.weight.detach())
+        self._deployed_version = self.weight._version
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        self.fp8.requantize_(self.weight.detach())
+        self._deployed_version = self.weight._version
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight._version != self._deployed_version:
+            raise WeightVersionError("zerodiff Fp8Linear: the master weight changed since the last refresh(); "
+                                     "call refresh() after the optimizer step")
+        return fp8_linear(x, self.weight, self.fp8)
