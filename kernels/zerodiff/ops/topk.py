@@ -25,10 +25,11 @@ Kernel design (one kernel for prefill rows, decode rows and routing rows): one p
 largest key is found by radix select on the 32 mapped score bits: 11-bit digits (10+11+11, at most 3
 passes) for rows wider than 2048, 8-bit digits (at most 4 passes) for narrow rows; a pass that already
 isolates the boundary exactly ends the search early. Each pass is one ``tl.histogram`` (masked to the
-candidates that still match the prefix) per fixed-size chunk of the row. Ties at the threshold score are resolved by position while emitting: the row is scanned
-from its right end chunk by chunk and ``tl.cumsum`` gives each selected element its output slot, which
-yields the descending-position order without any sort. Rows with ``length <= k`` skip the radix passes
-(everything valid is selected). Only ``min(length, W)`` columns are read.
+candidates that still match the prefix) per fixed-size chunk of the row. Ties at the threshold score are
+resolved by position while emitting: the row is scanned from its right end chunk by chunk and suffix
+counts (``tl.cumsum``) give each selected element its output slot, which yields the descending-position
+order without any sort. Every loop prefetches its next chunk. Rows with ``length <= k`` skip the radix
+passes (everything valid is selected). Only ``min(length, W)`` columns are read.
 
 Bad input raises ValueError naming the problem (see the reference). Dtype/shape/k are always checked on
 the host (no sync). ``lengths`` VALUES (0 <= L <= W) are checked for CPU tensors, and for CUDA tensors only
@@ -90,10 +91,13 @@ if zt.HAVE_TRITON:
             if done == 0:
                 h = tl.zeros([NB], tl.int32)
                 n_in = tl.zeros([], tl.int32)
+                x_next = tl.load(srow + ar.to(tl.int64) * stride_c, mask=ar < L, other=0.0)
                 for c in range(0, n_chunks):
                     offs = c * CHUNK + ar
                     inb = offs < L
-                    x = tl.load(srow + offs.to(tl.int64) * stride_c, mask=inb, other=0.0)
+                    x = x_next
+                    nxt = offs + CHUNK  # prefetch the next chunk while this one is counted
+                    x_next = tl.load(srow + nxt.to(tl.int64) * stride_c, mask=nxt < L, other=0.0)
                     m, cand = _row_keys(x, inb)
                     if p > 0:
                         cand = cand & ((m >> ((NPASS - p) * DIGIT)) == prefix)
@@ -121,28 +125,34 @@ if zt.HAVE_TRITON:
                 prefix = prefix_new
                 kk = kk_new
 
-        # ---- emit: scan from the right end; ties at T go to the larger positions ----
+        # ---- emit: scan chunks from the right end; ties at T go to the larger positions ----
+        # within a chunk, counts from the right are suffix sums: total - inclusive prefix + own
         cnt = tl.zeros([], tl.int32)
         ties = tl.zeros([], tl.int32)
         c = n_chunks - 1
         orow = out_ptr + row * k
         scrow = osc_ptr + row * k
-        rev = CHUNK - 1 - ar
+        offs0 = c * CHUNK + ar
+        x_next = tl.load(srow + offs0.to(tl.int64) * stride_c, mask=(offs0 >= 0) & (offs0 < L), other=0.0)
         while (c >= 0) & (cnt < k):
-            offs = c * CHUNK + rev  # descending positions
+            offs = c * CHUNK + ar
             inb = offs < L
-            x = tl.load(srow + offs.to(tl.int64) * stride_c, mask=inb, other=0.0)
+            x = x_next
+            prv = offs - CHUNK  # prefetch the chunk to the left
+            x_next = tl.load(srow + prv.to(tl.int64) * stride_c, mask=prv >= 0, other=0.0)
             m, cand = _row_keys(x, inb)
-            is_tie = cand & (m == T)
-            tie_rank = ties + tl.cumsum(is_tie.to(tl.int32), axis=0)
-            sel = (cand & (m > T)) | (is_tie & (tie_rank <= need))
-            slot = cnt + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            sel = sel & (slot < k)
-            tl.store(orow + slot, offs, mask=sel)
+            is_tie = (cand & (m == T)).to(tl.int32)
+            n_tie = tl.sum(is_tie, axis=0)
+            tie_rank = ties + n_tie - tl.cumsum(is_tie, axis=0) + is_tie  # 1 = rightmost tie
+            sel = ((cand & (m > T)) | ((is_tie != 0) & (tie_rank <= need))).to(tl.int32)
+            n_sel = tl.sum(sel, axis=0)
+            slot = cnt + n_sel - tl.cumsum(sel, axis=0)  # rightmost selected -> slot cnt
+            keep = (sel != 0) & (slot < k)
+            tl.store(orow + slot, offs, mask=keep)
             if RET_SCORES:
-                tl.store(scrow + slot, x, mask=sel)
-            cnt += tl.sum(sel.to(tl.int32), axis=0)
-            ties += tl.sum(is_tie.to(tl.int32), axis=0)
+                tl.store(scrow + slot, x, mask=keep)
+            cnt += tl.sum(keep.to(tl.int32), axis=0)
+            ties += n_tie
             c -= 1
 
         # ---- padding ----
