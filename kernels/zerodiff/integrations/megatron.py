@@ -28,6 +28,7 @@ patched ``TransformerConfig.__post_init__``) refuse, naming the setting:
   contract combines in FP32 after), ``moe_router_score_function`` outside softmax/sigmoid/sqrtsoftplus.
 * ``calculate_per_token_loss`` is not required; ``cross_entropy_loss_fusion`` is allowed (the patched
   ``vocab_parallel_cross_entropy`` is replaced as a whole).
+* ``hidden_dropout`` / ``attention_dropout`` > 0: the rollout has no dropout. Refused.
 * ``fp8``/``fp4`` recipes through Transformer Engine: refused; FP8 linears go through
   :func:`fp8_linear` (``Fp8Linear``) instead (DESIGN "dense block-FP8 GEMM").
 
@@ -116,6 +117,8 @@ def validate_config(
     moe_router_score_function: str = "softmax",
     fp8: str | None = None,
     fp4: str | None = None,
+    hidden_dropout: float = 0.0,
+    attention_dropout: float = 0.0,
 ) -> None:
     """Raise :class:`ConfigError` naming every setting that breaks diff = 0 (see the module docstring)."""
     p: list[str] = []
@@ -175,6 +178,10 @@ def validate_config(
                  "fp8 unset and use zerodiff's Fp8Linear (block-FP8 by the deployment rule)")
     if fp4:
         p.append(f"fp4={fp4!r}: FP4 training recipes are not supported in consistency mode")
+    if hidden_dropout:
+        p.append(f"hidden_dropout={hidden_dropout}: dropout changes the training forward; use 0.0")
+    if attention_dropout:
+        p.append(f"attention_dropout={attention_dropout}: dropout changes the training forward; use 0.0")
     _problems_to_error("Megatron", p)
 
 
@@ -209,6 +216,8 @@ def config_values(config: Any) -> dict:
         moe_router_score_function=g("moe_router_score_function", "softmax"),
         fp8=g("fp8"),
         fp4=g("fp4"),
+        hidden_dropout=g("hidden_dropout", 0.0) or 0.0,
+        attention_dropout=g("attention_dropout", 0.0) or 0.0,
     )
 
 
