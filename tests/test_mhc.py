@@ -176,6 +176,7 @@ def test_triton_pre_victim_in_batch(seeded):
     kw = dict(backend="triton", sinkhorn_iters=3)
     alone = mhc.mhc_pre(victim, fn, scale, base, **kw)
     mix_alone, sq_alone = mhc.prenorm_gemm(victim, fn)
+    mix4_alone, sq4_alone = mhc.prenorm_gemm(victim, fn, splits=4)
     for rnd in range(2):
         for T, pos in ((2, 1), (16, 15 * rnd), (17, 16), (33, 5 + 27 * rnd)):
             batch = _streams(g, T, H)
@@ -186,6 +187,10 @@ def test_triton_pre_victim_in_batch(seeded):
             mix, sq = mhc.prenorm_gemm(batch, fn)
             _assert_rows_equal(mix[0, pos], mix_alone[0, 0], f"projection at {pos} of T={T}")
             _assert_rows_equal(sq[0, pos], sq_alone[0, 0], f"sqrsum at {pos} of T={T}")
+            # a fixed split count other than 1 (benchmark variant) is batch-invariant too
+            mix4, sq4 = mhc.prenorm_gemm(batch, fn, splits=4)
+            _assert_rows_equal(mix4[:, pos], mix4_alone[:, 0], f"4-split projection at {pos} of T={T}")
+            _assert_rows_equal(sq4[:, pos], sq4_alone[:, 0], f"4-split sqrsum at {pos} of T={T}")
 
 
 @needs_triton
@@ -362,6 +367,28 @@ def test_gpu_post_bitwise_and_victim(H):
                            f"post vs fp32 ref, T={T}")
         alone = mhc.mhc_post(lo[-1:], res[-1:], post[-1:], comb[-1:])
         _assert_rows_equal(out[-1:], alone, f"post victim at {T - 1} of T={T}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits,precision", [(1, "tf32x3"), (8, "ieee")])
+def test_gpu_benchmark_variants_are_batch_invariant(splits, precision):
+    """The benchmark's alternative configurations (not the contract) keep victim-in-batch too."""
+    H = 7168
+    g, fn, scale, base, victim = _gpu_case(H, 16)
+    kw = dict(rms_eps=ref.RMS_EPS, hc_pre_eps=ref.HC_EPS, hc_sinkhorn_eps=ref.HC_EPS,
+              hc_post_mult=ref.POST_MULT, sinkhorn_iters=ref.SINKHORN_ITERS)
+
+    def run(r):
+        mix, sq = mhc.prenorm_gemm(r, fn, splits=splits, _precision=precision)
+        return mhc.pre_epilogue(mix, sq, r, scale, base, **kw)
+
+    alone = run(victim)
+    for T in (1, 16, 17, 129, 1000):
+        batch = _streams(g, T, H, "cuda")
+        batch[T - 1] = victim[0]
+        out = run(batch)
+        for name, a, b in zip(("layer_input", "post", "comb"), out, alone):
+            _assert_rows_equal(a[T - 1], b[0], f"{splits}-split/{precision} {name}: victim last of T={T}")
 
 
 @pytest.mark.gpu
