@@ -7,9 +7,10 @@ mhc_pre (hc_mult 4, H in 4096 / 7168, T tokens):
           (stand-in for TileLang's ``mhc_pre_big_fuse``; same memory traffic). Falls back to per-split
           cuBLAS matmuls where DeepGEMM is missing (the row's ``stock`` field says which ran).
   ours  = ``mhc_pre`` (split count fixed at 1); columns ``ours_gemm_ms`` / ``ours_epi_ms`` split it.
-  also  = the plain torch fp32 eager path (``torch_eager_ms``), and two variants that are NOT the
-          contract, for the lead's decision: ``tf32x3_ms`` (the projection on tensor cores, 3 passes) and
-          ``fixed8_ms`` (a fixed split count of 8 for every T: still batch-invariant, but a contract change).
+  also  = the plain torch fp32 eager path (``torch_eager_ms``), and variants that are NOT the contract,
+          for the lead's decision: ``tf32x3_ms`` (the projection on tensor cores, 3 passes) and
+          ``fixed8_ms`` / ``fixed16_ms`` (a fixed split count of 8 / 16 for every T: still batch-invariant,
+          same x traffic, more programs at small T, but a change of the "split count 1" contract).
 mhc_post: ours vs the torch fp32 eager formula (vLLM's ``mhc_post_torch``; TileLang's kernel is not
           available without TileLang).
 
@@ -87,7 +88,8 @@ def main():
         t_epi = median_ms(lambda: mhc.pre_epilogue(mix, sq, res, scale, base, **KW), **reps)
         t_eager = median_ms(lambda: mhc.mhc_pre_torch_eager(res, fn, scale, base, **KW), **reps)
         extra = {}
-        for name, splits, prec in (("tf32x3_ms", 1, "tf32x3"), ("fixed8_ms", 8, "ieee")):
+        for name, splits, prec in (("tf32x3_ms", 1, "tf32x3"), ("fixed8_ms", 8, "ieee"),
+                                   ("fixed16_ms", 16, "ieee")):
             try:
                 variant(res, fn, scale, base, splits, prec)
                 extra[name] = round(median_ms(lambda: variant(res, fn, scale, base, splits, prec), **reps), 5)

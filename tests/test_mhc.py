@@ -370,7 +370,7 @@ def test_gpu_post_bitwise_and_victim(H):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,precision", [(1, "tf32x3"), (8, "ieee")])
+@pytest.mark.parametrize("splits,precision", [(1, "tf32x3"), (8, "ieee"), (16, "ieee")])
 def test_gpu_benchmark_variants_are_batch_invariant(splits, precision):
     """The benchmark's alternative configurations (not the contract) keep victim-in-batch too."""
     H = 7168
