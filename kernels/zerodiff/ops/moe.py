@@ -390,11 +390,14 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     a_s[d] = xs[tok]
     a_q = a_u8[: plan.rows].view(torch.float8_e4m3fn)
     a_s = a_s[: plan.rows]
-    h = _g.grouped_fp8_gemm(a_q, a_s, experts.w13.q, experts.w13.scale, plan.tile_expert, backend=gbe)
+    # rows of skipped tiles are never written nor read downstream: no memset needed
+    h = torch.empty((plan.rows, 2 * experts.inter), dtype=torch.bfloat16, device=dev)
+    _g.grouped_fp8_gemm(a_q, a_s, experts.w13.q, experts.w13.scale, plan.tile_expert, backend=gbe, out=h)
     if act_backend not in (None, "triton", "reference"):
         raise ValueError(f"zerodiff.moe: act_backend={act_backend!r} (None, 'triton' or 'reference')")
     hq, hs = _act(h, plan, clamp_limit, ue8m0, act_backend or gbe)
-    y = torch.zeros((plan.rows + 1, H), dtype=torch.bfloat16, device=dev)
+    y = torch.empty((plan.rows + 1, H), dtype=torch.bfloat16, device=dev)
+    y[plan.rows].zero_()  # the dump row read by padding slots (ids == -1)
     _g.grouped_fp8_gemm(hq, hs, experts.w2.q, experts.w2.scale, plan.tile_expert, backend=gbe, out=y[: plan.rows])
     w = torch.where(ids >= 0, weights, torch.zeros((), dtype=weights.dtype, device=dev))
     return combine(y, plan.dest, w, backend=gbe)
