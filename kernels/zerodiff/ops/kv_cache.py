@@ -108,15 +108,17 @@ if HAVE_TRITON:
         base = cache_ptr + row * BPT  # [BLOCK_W]
         D: tl.constexpr = D_NOPE + D_ROPE
         obase = out_ptr + (r.to(tl.int64) * W + j.to(tl.int64)) * D  # [BLOCK_W]
-        ci = tl.arange(0, D_NOPE)
-        lm = ok[:, None] & (ci[None, :] >= 0)
-        code = tl.load(base[:, None] + ci[None, :], mask=lm, other=0)
+        gi = tl.arange(0, G)
+        ci = tl.arange(0, 128)
+        off = gi[None, :, None] * 128 + ci[None, None, :]  # [1, G, 128]
+        ok3 = ok[:, None, None]
+        code = tl.load(base[:, None, None] + off, mask=ok3 & (off >= 0), other=0)
         qf = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        sc = tl.load((base[:, None] + D_NOPE).to(tl.pointer_type(tl.float32)) + ci[None, :] // 128, mask=lm, other=0.0)
-        v = cast_bf16(qf * sc, EXACT)
-        nanb = tl.full(v.shape, float("nan"), tl.float32).to(tl.bfloat16)
-        v = tl.where(bad[:, None], nanb, v)
-        tl.store(obase[:, None] + ci[None, :], v, mask=jm[:, None] & (ci[None, :] >= 0))
+        sc = tl.load((base[:, None] + D_NOPE).to(tl.pointer_type(tl.float32)) + gi[None, :], mask=ok[:, None] & (gi[None, :] >= 0), other=0.0)
+        v = cast_bf16(qf * sc[:, :, None], EXACT)
+        nanb = tl.full([1, 1, 1], float("nan"), tl.float32).to(tl.bfloat16)
+        v = tl.where(bad[:, None, None], nanb, v)
+        tl.store(obase[:, None, None] + off, v, mask=jm[:, None, None] & (off >= 0))
         ri = tl.arange(0, D_ROPE)
         rm = ok[:, None] & (ri[None, :] >= 0)
         rope = tl.load((base[:, None] + D_NOPE + 4 * G).to(tl.pointer_type(tl.bfloat16)) + ri[None, :], mask=rm, other=0.0)
@@ -277,7 +279,7 @@ def gather_kv(cache, block_table, req_ids, positions, *, seq_lens=None, d_nope: 
         cache, block_table, block_table.stride(0), req_ids, positions, positions.stride(0), out,
         W, cache.shape[0], block_table.shape[1],
         BLOCK_SIZE=cache.shape[1], BPT=cache.shape[2], D_NOPE=d_nope, G=G, D_ROPE=d_rope,
-        BLOCK_W=BLOCK_W, EXACT=_triton.EXACT_CASTS, num_warps=4, **LAUNCH_OPTS,
+        BLOCK_W=BLOCK_W, EXACT=_triton.EXACT_CASTS, num_warps=8, **LAUNCH_OPTS,
     )
     return out
 
