@@ -2,8 +2,8 @@
 
 Semantics are those of ``zerodiff.reference.mhc`` (the module docstring there spells out the math;
 argument names follow vLLM 0.33.0's ``mhc_pre`` / ``mhc_post``). Upstream picks the K-split of the
-pre-norm projection GEMM from the token count and the SM count (``compute_num_split``: up to 64 splits
-at small T, 1 at large T) and sums the partial sums afterwards, so a token's mixing weights depend on
+pre-norm projection GEMM from the token count and the SM count (``compute_num_split``: up to 64 (H 4096)
+or 112 (H 7168) splits at small T, 1 at large T) and sums the partial sums afterwards, so a token's mixing weights depend on
 how many tokens share its batch. This module removes that dependence.
 
 Numerical contract of :func:`mhc_pre` (Triton backend)
@@ -13,7 +13,8 @@ Numerical contract of :func:`mhc_pre` (Triton backend)
   never does: rows are tiled ``_GEMM_BM`` at a time and no value crosses rows.
 * Projection: ``mix_raw[t, m] = sum_k x[t, k] * fn[m, k]`` over ``k = 0 .. n*H-1`` in fp32, one fixed
   order: blocks of ``_GEMM_BK`` in increasing k, each block through ``tl.dot(..., acc,
-  input_precision=_DOT_PRECISION)`` ("ieee": an fp32 FMA chain on the GPU). bf16 inputs are exact in fp32.
+  input_precision=_DOT_PRECISION)`` ("ieee": Triton's fp32 FMA lowering, no tensor cores). bf16 inputs
+  are exact in fp32. (The per-row order is fixed by the constexpr config; the interpreter uses numpy.)
 * Sum of squares: ``sq[t] = sum_k x[t, k]**2`` in fp32 (each square is exact), per block a fixed
   ``tl.sum`` tree, blocks added in increasing k.
 * Normalisation: ``rms = 1 / sqrt_rn(sq / (n*H) + rms_eps)`` (correctly rounded divisions and sqrt),
@@ -36,6 +37,13 @@ Bitwise equal to ``reference.mhc.mhc_post_ref(..., dtype=torch.float32)`` on any
 :func:`mhc_pre_split_baseline` is the stock-style path (negative control, benchmark baseline): the
 split count from the token count as vLLM computes it, partial sums added in split order, then the same
 epilogue. Its bits depend on T; ours do not.
+
+Performance note (unmeasured here; see ``benchmarks/bench_mhc.py``): with one split, a small batch
+(T <= 16 is one program) streams the whole projection weight (24 x n*H fp32: 1.5 MB at H 4096, 2.75 MB at
+H 7168) through one SM, where upstream spreads it over up to 112 programs. Any split count that is a
+constant (not a function of T) is equally batch-invariant: ``prenorm_gemm(splits=S)`` + ``pre_epilogue``
+add S partials in split order, and the benchmark times S = 8 and 16. Changing :data:`FIXED_SPLITS` is a
+contract change (values change, invariance does not) and must be made on both sides at once.
 
 Bad input raises ``ValueError`` naming the argument: wrong dtype / rank / shape, non-power-of-two or
 > 8 ``hc_mult``, tensors on different devices, ``sinkhorn_iters < 1``, an unknown backend, or a
