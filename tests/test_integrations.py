@@ -339,6 +339,8 @@ BAD_MEG = [
     ("moe_router_score_function", "gumbel", "moe_router_score_function='gumbel'"),
     ("fp8", "e4m3", "fp8='e4m3'"),
     ("fp4", "e2m1", "fp4='e2m1'"),
+    ("moe_router_load_balancing_type", "sinkhorn", "moe_router_load_balancing_type='sinkhorn'"),
+    ("moe_router_load_balancing_type", ["aux_loss", "quantile_balancing"], "quantile_balancing"),
     ("hidden_dropout", 0.1, "hidden_dropout=0.1"),
     ("attention_dropout", 0.1, "attention_dropout=0.1"),
 ]

@@ -25,7 +25,8 @@ patched ``TransformerConfig.__post_init__``) refuse, naming the setting:
   (token dropping depends on the batch), ``moe_input_jitter_eps`` (random noise), ``moe_enable_routing_replay``
   (consistency mode computes routing itself), ``moe_router_force_load_balancing``,
   ``moe_router_force_biased``, ``moe_apply_probs_on_input`` (scales before FC2 with an extra rounding; the
-  contract combines in FP32 after), ``moe_router_score_function`` outside softmax/sigmoid/sqrtsoftplus.
+  contract combines in FP32 after), ``moe_router_score_function`` outside softmax/sigmoid/sqrtsoftplus,
+  ``moe_router_load_balancing_type`` ``sinkhorn``/``quantile_balancing`` (they bypass the top-k).
 * ``calculate_per_token_loss`` is not required; ``cross_entropy_loss_fusion`` is allowed (the patched
   ``vocab_parallel_cross_entropy`` is replaced as a whole).
 * ``hidden_dropout`` / ``attention_dropout`` > 0: the rollout has no dropout. Refused.
@@ -115,6 +116,7 @@ def validate_config(
     moe_router_force_biased: Any = None,
     moe_apply_probs_on_input: bool = False,
     moe_router_score_function: str = "softmax",
+    moe_router_load_balancing_type: Any = "aux_loss",
     fp8: str | None = None,
     fp4: str | None = None,
     hidden_dropout: float = 0.0,
@@ -171,6 +173,11 @@ def validate_config(
             p.append(f"moe_router_force_biased={moe_router_force_biased}: random logit bias; use None")
         if moe_apply_probs_on_input:
             p.append("moe_apply_probs_on_input=True: probs must be applied in the FP32 combine, not before FC2")
+        lb = moe_router_load_balancing_type
+        lb = list(lb) if isinstance(lb, (list, tuple)) else [lb]
+        if any(t in ("sinkhorn", "quantile_balancing") for t in lb):
+            p.append(f"moe_router_load_balancing_type={moe_router_load_balancing_type!r}: sinkhorn / quantile "
+                     "balancing bypass the deterministic top-k; use aux-loss balancing (or 'none')")
         if moe_router_score_function not in _SCORES:
             p.append(f"moe_router_score_function={moe_router_score_function!r}: use one of {_SCORES}")
     if fp8:
@@ -214,6 +221,7 @@ def config_values(config: Any) -> dict:
         moe_router_force_biased=g("moe_router_force_biased"),
         moe_apply_probs_on_input=bool(g("moe_apply_probs_on_input", False)),
         moe_router_score_function=g("moe_router_score_function", "softmax"),
+        moe_router_load_balancing_type=g("moe_router_load_balancing_type", "aux_loss"),
         fp8=g("fp8"),
         fp4=g("fp4"),
         hidden_dropout=g("hidden_dropout", 0.0) or 0.0,
