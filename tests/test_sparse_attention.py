@@ -368,3 +368,18 @@ def test_gpu_stock_fp8_decode_reads_our_cache_and_is_batch_dependent():
         alone = stock(torch.zeros(1, dtype=torch.long, device="cuda"))
         diffs.append(int((batch[0] != alone[0]).sum()))
     assert max(diffs) > 0, f"stock FP8 decode did not differ alone vs in batch ({diffs}); the control proves nothing"
+
+
+@pytest.mark.gpu
+def test_gpu_fused_fp8_triton_equals_workspace_triton_and_is_batch_invariant():
+    cache, bt, pos, q = _gpu_setup(65, 8192, seed=9)
+    pos[3, 1000:] = -1
+    sc = 1 / math.sqrt(576)
+    sink = torch.linspace(-1, 1, GPU_H, device="cuda")
+    req = torch.arange(65, dtype=torch.int32, device="cuda")
+    ws = sa.sparse_mla_attention(q, cache, bt, req, pos, sc, attn_sink=sink, backend="triton")
+    fused = sa.sparse_mla_attention_fp8(q, cache, bt, req, pos, sc, attn_sink=sink)
+    assert torch.equal(ws[0], fused[0]) and torch.equal(ws[1], fused[1])
+    for r in (0, 3, 64):
+        one = sa.sparse_mla_attention_fp8(q[r : r + 1], cache, bt, req[r : r + 1], pos[r : r + 1], sc, attn_sink=sink)
+        assert torch.equal(one[0][0], fused[0][r]) and torch.equal(one[1][0], fused[1][r])
