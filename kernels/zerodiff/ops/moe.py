@@ -287,7 +287,8 @@ def plan_dispatch(ids: torch.Tensor, num_experts: int, *, layout: str = "contigu
             raise ValueError("zerodiff.moe: a token is routed to the same expert twice (ids not unique per row)")
     key = torch.where(valid, flat, torch.full_like(flat, E))
     order = torch.argsort(key, stable=True)
-    counts64 = torch.bincount(key, minlength=E + 1)[: E + 1]
+    # scatter_add, not bincount: bincount syncs with the host on CUDA (breaks graph capture)
+    counts64 = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
     starts = torch.cumsum(counts64, 0) - counts64
     rank_sorted = torch.arange(T * k, device=dev) - starts[key[order]]
     rank = torch.empty_like(rank_sorted)
