@@ -36,6 +36,8 @@ def _streams(g, T, H, device="cpu", adversarial=True):
         r[2] = r[2, 0:1]  # all streams identical: ties in the aggregation and the projection
         r[3, :, : H // 2] = torch.randn(N_HC, H // 2, generator=g) * 1e-39  # bf16 denormals
         r[3, :, H // 2 :] *= 1e3
+    if adversarial and T >= 6:
+        r[5] = 0.0  # an all-zero token: sqrsum 0, rms = 1/sqrt(eps), mixes = bases only
     return r.to(torch.bfloat16).to(device)
 
 
