@@ -32,7 +32,9 @@ Backends (``backend=``):
 * ``"reference"``: :func:`zerodiff.reference.fp8_gemm.fp8_gemm_ref` (float64 block partials).
 * ``None``: CPU tensors -> reference; CUDA tensors -> ``$ZERODIFF_FP8_GEMM_BACKEND`` if set, else
   ``"deepgemm"`` when verified for (N, K), else ``"triton"``. The choice is per (N, K, device), never per M;
-  :func:`selected_backend` reports it so rollout and training can assert they agree.
+  :func:`selected_backend` reports it so rollout and training can assert they agree. The first call per
+  (N, K) runs the probe (tens of GEMMs, DeepGEMM JIT): call ``selected_backend`` for every weight shape at
+  model load; inside CUDA graph capture an unprobed shape raises instead of probing.
 
 Public API::
 
@@ -199,6 +201,10 @@ def _probe(N, K, device, ue8m0):
         return False, f"DeepGEMM not importable: {backends.status()['deepgemm']['detail']}"
     if device.type != "cuda":
         return False, f"DeepGEMM needs a CUDA device, got {device}"
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"zerodiff.fp8_gemm: the DeepGEMM probe for (N={N}, K={K}) cannot run inside CUDA graph "
+                           "capture; call fp8_gemm.selected_backend(N, K, device) for every weight shape at model "
+                           "load, before capturing")
     cap = torch.cuda.get_device_capability(device)
     if cap[0] >= 10 and not ue8m0:
         return False, (f"sm_{cap[0]}{cap[1]}: DeepGEMM rounds FP32 scales to UE8M0; quantise with ue8m0=True "
@@ -304,7 +310,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, *, backend=None) -> torch.Tensor:
         raise ValueError("zerodiff.fp8_gemm: w must be a 2-D Fp8Weight")
     N, K = w.q.shape
     be = _resolve(backend, x.device, N, K, w.ue8m0)
-    qbe = "reference" if be == "reference" else ("triton" if x.is_cuda or _triton.INTERPRET else "reference")
+    qbe = "reference" if be == "reference" else "triton"
     q, s = quant_act(x, ue8m0=w.ue8m0, backend=qbe)
     return fp8_gemm(q, s, w.q, w.scale, backend=be, ue8m0=w.ue8m0)
 
