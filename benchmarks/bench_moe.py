@@ -45,6 +45,53 @@ def stock_moe(x, logits, ex, k):
     return out
 
 
+def grouped_gemm_rows(ex, H, T, k, rep, dg):
+    """GEMM-level rows: our grouped Triton GEMM (w13) vs DeepGEMM's grouped kernels on a balanced layout with
+    the same FP8 operands (the DESIGN.md MoE baseline). Skipped with a message when DeepGEMM fails."""
+    rows = []
+    E = ex.num_experts
+    N = ex.w13.q.shape[1]
+    per = max(1, (T * k) // E)
+    dev = "cuda"
+    if T <= 256:  # decode: masked layout
+        C = (per + 63) // 64 * 64
+        a = torch.randn(E * C, H, device=dev).to(torch.bfloat16)
+        q, s = quant_act(a)
+        counts = torch.full((E,), per, dtype=torch.int32, device=dev)
+        ti = torch.arange(E * C // 64, device=dev)
+        te = torch.where((ti % (C // 64)) * 64 < per, ti // (C // 64), -1).to(torch.int32)
+        out = torch.empty(E * C, N, dtype=torch.bfloat16, device=dev)
+        t_ours = median_ms(lambda: fg.grouped_fp8_gemm(q, s, ex.w13.q, ex.w13.scale, te, out=out), rep=rep)
+        try:
+            d = torch.empty(E, C, N, dtype=torch.bfloat16, device=dev)
+            q3, s3 = q.view(E, C, H), s.view(E, C, -1)
+            t_dg = median_ms(lambda: dg.m_grouped_fp8_gemm_nt_masked((q3, s3), (ex.w13.q, ex.w13.scale), d, counts, per,
+                                                                     disable_ue8m0_cast=True), rep=rep)
+            rows.append(row("grouped_gemm_w13[masked]", f"T={T} per_expert={per} N={N} K={H} E={E}", t_ours, t_dg,
+                            "DeepGEMM m_grouped_fp8_gemm_nt_masked", T=T))
+        except Exception as ex_:
+            print(f"DeepGEMM masked grouped GEMM failed (T={T}): {type(ex_).__name__}: {ex_}")
+    else:  # prefill / training: contiguous layout
+        al = 128
+        R = (per + al - 1) // al * al
+        a = torch.randn(E * R, H, device=dev).to(torch.bfloat16)
+        q, s = quant_act(a)
+        m_idx = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(R)
+        m_idx.view(E, R)[:, per:] = -1
+        te = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(R // 64)
+        out = torch.empty(E * R, N, dtype=torch.bfloat16, device=dev)
+        t_ours = median_ms(lambda: fg.grouped_fp8_gemm(q, s, ex.w13.q, ex.w13.scale, te, out=out), rep=rep)
+        try:
+            d = torch.empty(E * R, N, dtype=torch.bfloat16, device=dev)
+            t_dg = median_ms(lambda: dg.m_grouped_fp8_gemm_nt_contiguous((q, s), (ex.w13.q, ex.w13.scale), d, m_idx,
+                                                                         disable_ue8m0_cast=True), rep=rep)
+            rows.append(row("grouped_gemm_w13[contiguous]", f"T={T} per_expert={per} N={N} K={H} E={E}", t_ours, t_dg,
+                            "DeepGEMM m_grouped_fp8_gemm_nt_contiguous", T=T))
+        except Exception as ex_:
+            print(f"DeepGEMM contiguous grouped GEMM failed (T={T}): {type(ex_).__name__}: {ex_}")
+    return rows
+
+
 def main():
     args = parser(__doc__).parse_args()
     Hs = (4096,) if args.quick else (4096, 7168)
@@ -52,6 +99,9 @@ def main():
     rep = 10 if args.quick else 30
     E, I, k = 64, 2048, 8
     rows = []
+    from zerodiff import backends
+
+    dg = backends.deep_gemm()
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
     for H in Hs:
@@ -71,6 +121,8 @@ def main():
                 t = median_ms(lambda: ours(layout), rep=rep)
                 rows.append(row(f"moe[{layout}]", f"T={T} H={H} I={I} E={E} k={k}", t, t_stock,
                                 "torch.topk + same grouped FP8 GEMMs + bf16 silu*up + quant + bf16 index_add_", T=T))
+            if dg is not None:
+                rows += grouped_gemm_rows(ex, H, T, k, rep, dg)
     write(args.json, "moe", rows)
 
 
