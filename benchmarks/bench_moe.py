@@ -78,7 +78,8 @@ def grouped_gemm_rows(ex, H, T, k, rep, dg):
         q, s = quant_act(a)
         m_idx = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(R)
         m_idx.view(E, R)[:, per:] = -1
-        te = torch.arange(E, device=dev, dtype=torch.int32).repeat_interleave(R // 64)
+        ti = torch.arange(E * R // 64, device=dev)
+        te = torch.where((ti % (R // 64)) * 64 < per, ti // (R // 64), -1).to(torch.int32)
         out = torch.empty(E * R, N, dtype=torch.bfloat16, device=dev)
         t_ours = median_ms(lambda: fg.grouped_fp8_gemm(q, s, ex.w13.q, ex.w13.scale, te, out=out), rep=rep)
         try:
