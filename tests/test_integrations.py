@@ -341,6 +341,7 @@ BAD_MEG = [
     ("fp4", "e2m1", "fp4='e2m1'"),
     ("moe_router_load_balancing_type", "sinkhorn", "moe_router_load_balancing_type='sinkhorn'"),
     ("moe_router_load_balancing_type", ["aux_loss", "quantile_balancing"], "quantile_balancing"),
+    ("cross_entropy_loss_fusion", True, "cross_entropy_loss_fusion"),
     ("hidden_dropout", 0.1, "hidden_dropout=0.1"),
     ("attention_dropout", 0.1, "attention_dropout=0.1"),
 ]

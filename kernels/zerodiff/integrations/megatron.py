@@ -27,8 +27,8 @@ patched ``TransformerConfig.__post_init__``) refuse, naming the setting:
   ``moe_router_force_biased``, ``moe_apply_probs_on_input`` (scales before FC2 with an extra rounding; the
   contract combines in FP32 after), ``moe_router_score_function`` outside softmax/sigmoid/sqrtsoftplus,
   ``moe_router_load_balancing_type`` ``sinkhorn``/``quantile_balancing`` (they bypass the top-k).
-* ``calculate_per_token_loss`` is not required; ``cross_entropy_loss_fusion`` is allowed (the patched
-  ``vocab_parallel_cross_entropy`` is replaced as a whole).
+* ``cross_entropy_loss_fusion``: the fused CE bypasses the patched ``vocab_parallel_cross_entropy``, whose
+  loss is ``-`` the rollout's sampled-token log-prob. Refused.
 * ``hidden_dropout`` / ``attention_dropout`` > 0: the rollout has no dropout. Refused.
 * ``fp8``/``fp4`` recipes through Transformer Engine: refused; FP8 linears go through
   :func:`fp8_linear` (``Fp8Linear``) instead (DESIGN "dense block-FP8 GEMM").
@@ -121,6 +121,7 @@ def validate_config(
     fp4: str | None = None,
     hidden_dropout: float = 0.0,
     attention_dropout: float = 0.0,
+    cross_entropy_loss_fusion: bool = False,
 ) -> None:
     """Raise :class:`ConfigError` naming every setting that breaks diff = 0 (see the module docstring)."""
     p: list[str] = []
@@ -185,6 +186,8 @@ def validate_config(
                  "fp8 unset and use zerodiff's Fp8Linear (block-FP8 by the deployment rule)")
     if fp4:
         p.append(f"fp4={fp4!r}: FP4 training recipes are not supported in consistency mode")
+    if cross_entropy_loss_fusion:
+        p.append("cross_entropy_loss_fusion=True: the fused CE bypasses the zerodiff log-prob; turn it off")
     if hidden_dropout:
         p.append(f"hidden_dropout={hidden_dropout}: dropout changes the training forward; use 0.0")
     if attention_dropout:
@@ -226,6 +229,7 @@ def config_values(config: Any) -> dict:
         fp4=g("fp4"),
         hidden_dropout=g("hidden_dropout", 0.0) or 0.0,
         attention_dropout=g("attention_dropout", 0.0) or 0.0,
+        cross_entropy_loss_fusion=bool(g("cross_entropy_loss_fusion", False)),
     )
 
 
@@ -478,10 +482,16 @@ def token_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: floa
     return out.view(lead)
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Megatron's ``vocab_parallel_cross_entropy`` in consistency mode (TP = 1): ``-token_logprobs``."""
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float = 0.0,
+                  tp_group=None) -> torch.Tensor:
+    """Megatron's ``vocab_parallel_cross_entropy`` in consistency mode (TP = 1): ``-token_logprobs``.
+    ``tp_group`` must be None or of size 1 (the vocabulary is not split)."""
     if label_smoothing:
         raise ConfigError(f"zerodiff cross entropy: label_smoothing={label_smoothing} is not supported")
+    if tp_group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size(tp_group) != 1:
+            raise ConfigError("zerodiff cross entropy: the vocabulary is split over a TP group of size "
+                              f"{torch.distributed.get_world_size(tp_group)}; consistency mode needs TP = 1")
     return -token_logprobs(logits, target)
 
 
