@@ -1,0 +1,1 @@
+"""zerodiff end-to-end harness: model."""

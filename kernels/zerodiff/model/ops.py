@@ -1,0 +1,594 @@
+"""The thin ops layer the end-to-end model runs on: one object per mode, the same model code for all.
+
+Modes
+-----
+* :class:`ConsistentOps` (``"consistent"``): every call goes to a zerodiff op (or, where a teammate's module
+  has not landed yet, to a clearly marked INTERIM pure-torch implementation of the same contract in
+  :mod:`zerodiff.model.interim`). Rollout and training use the very same object type, so a token's value
+  is computed by the same functions on both sides; every op is per token / per row, so it never depends on
+  the batch. On CPU tensors the zerodiff ops run their reference backends; CPU reference calls whose
+  float64 internals could depend on the tensor shape (mHC, SiLU) are run on fixed 64-row chunks.
+* :class:`BaselineRolloutOps` / :class:`BaselineTrainOps` (``"baseline"``): the NEGATIVE CONTROL. The
+  frozen per-op choice (stock inference-style on the rollout side, stock training-style on the training
+  side) is :data:`BASELINE_CHOICE`; the diff must be > 0 with it.
+
+Binding table (switching an op from INTERIM to the real module is the one marked line per op below)::
+
+    deterministic_topk, quant_act, Fp8Weight, fp8_linear, fp8_gemm,
+    silu_mul_quant_fp8, mhc_pre, mhc_post, kv cache write/gather      -> zerodiff.ops.*          (real)
+    rms_norm, bf16_gemm, router_gemm, token_logprobs, sparse_attention,
+    indexer scores + FP8 index-key cache, route                        -> zerodiff.model.interim (INTERIM)
+
+Training (autograd)
+-------------------
+Visible values always come from the kernels under ``torch.no_grad()``. When a :class:`Tape` is active
+(training forward), each op also builds an FP32 PyTorch graph of the same math with the FP8 quantisation
+treated as identity (STE) and the BF16/FP32 masters as leaves, evaluated AT the visible input values:
+input ``x`` enters the graph as ``x.float() + (g - g.detach())`` (value = the kernel's bits, gradient to the
+producer's graph ``g``). The final log-probs are ``_Attach(visible, graph)``: value bit-identical to the
+kernel output, gradient from the graph. Every master enters a graph through :class:`_Guard`, whose backward
+first checks the tensor's version counter against the forward's and raises ``WeightVersionError``. The
+DSA indexer is not trained (its selection is a discrete input to the attention graph), and MoE expert ids
+are discrete too; the router weights get gradients through the routing graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import interim as _I
+from .detmath import det_exp, tree_sum
+
+# ---- bindings: consistent mode ------------------------------------------------------------------------
+from zerodiff.ops.topk import deterministic_topk  # real
+from zerodiff.ops.fp8_quant import Fp8Weight, quant_act  # real
+from zerodiff.ops.fp8_gemm import fp8_linear, fp8_gemm  # real
+from zerodiff.ops.silu_mul_quant import silu_mul_quant_fp8  # real
+from zerodiff.ops.mhc import mhc_pre, mhc_post  # real
+from zerodiff.ops.kv_cache import write_kv_cache, gather_kv, new_kv_cache, workspace_indices  # real
+from zerodiff.reference.fp8_quant import dequant_weight_block_ref  # real (STE / baseline dequant)
+
+rms_norm = _I.rms_norm  # INTERIM -> from zerodiff.ops.rmsnorm import rms_norm
+bf16_gemm = _I.bf16_gemm  # INTERIM -> from zerodiff.ops.bf16_gemm import bf16_gemm
+router_gemm = _I.router_gemm  # INTERIM -> from zerodiff.ops.router_gemm import router_gemm
+token_logprobs = _I.token_logprobs  # INTERIM -> from zerodiff.ops.logprobs import token_logprobs
+sparse_attention = _I.sparse_attention  # INTERIM -> zerodiff.ops.sparse_attention (Kernels III)
+indexer_scores = _I.indexer_scores  # INTERIM -> zerodiff.ops.indexer (Kernels III)
+route = _I.route  # INTERIM -> from zerodiff.ops.moe import route
+
+INTERIM_OPS = ("rms_norm", "bf16_gemm", "router_gemm", "token_logprobs", "sparse_attention",
+               "indexer_scores (+ FP8 index-key cache)", "route", "moe combine (composed of real fp8 ops)")
+
+BASELINE_CHOICE = {
+    "fp8 linear": "rollout: BF16 F.linear on dequantised FP8 weight and BF16 activation (no act quant); "
+                  "training: FP32 matmul of BF16 activation with dequantised weight",
+    "router": "rollout: BF16 F.linear then .float(); training: FP32 F.linear",
+    "expert / DSA top-k": "torch.topk (both sides)",
+    "silu*mul": "rollout: BF16 F.silu(g) * u (two roundings) then stock group quant; training: FP32 swiglu, no FP8",
+    "attention": "rollout: prefill FP32 softmax over the FP8-cache workspace, decode a split-K (batch-size "
+                 "dependent split count) variant with BF16 probabilities; training: dense FP32 attention over "
+                 "the fresh BF16 K/V (never through FP8) masked to the selected positions",
+    "mHC": "rollout: zerodiff.ops.mhc.mhc_pre_split_baseline (split count from the token count); "
+           "training: mhc_pre_torch_eager",
+    "rms norm / log-softmax / lm head": "stock torch FP32 ops (shape-dependent reductions)",
+}
+
+_CPU_CHUNK = 16
+
+
+def _fixed_rows(fn, *xs, chunk=_CPU_CHUNK):
+    """Run ``fn`` on fixed ``chunk``-row slices (leading dim zero-padded) and concatenate (CPU only)."""
+    T = xs[0].shape[0]
+    if not xs[0].device.type == "cpu" or T == 0:
+        return fn(*xs)
+    outs = []
+    for s in range(0, T, chunk):
+        parts = []
+        for x in xs:
+            p = x[s: s + chunk]
+            if p.shape[0] < chunk:
+                p = torch.cat([p, p.new_zeros((chunk - p.shape[0],) + tuple(p.shape[1:]))])
+            parts.append(p.contiguous())
+        outs.append(fn(*parts))
+    n = min(chunk, T)
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat([o[i] for o in outs])[:T] for i in range(len(outs[0])))
+    del n
+    return torch.cat(outs)[:T]
+
+
+class WeightVersionError(RuntimeError):
+    pass
+
+
+class _Guard(torch.autograd.Function):
+    """Identity (to FP32) on a master weight; backward checks the master was not modified since forward."""
+
+    @staticmethod
+    def forward(ctx, m, name):
+        ctx.m = m
+        ctx.ver = m._version
+        ctx.name = name
+        ctx.dtype = m.dtype
+        return m.detach().float()
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.m._version != ctx.ver:
+            raise WeightVersionError(
+                f"zerodiff: master weight {ctx.name!r} changed between the training forward and its backward "
+                f"(version {ctx.ver} at forward, {ctx.m._version} now): an optimizer step or in-place update ran "
+                f"in between; re-run the forward before calling backward"
+            )
+        return g.to(ctx.dtype), None
+
+
+class _Attach(torch.autograd.Function):
+    """Value = the kernel's visible tensor bit for bit; gradient flows to the graph tensor."""
+
+    @staticmethod
+    def forward(ctx, visible, graph):
+        ctx.gdtype = graph.dtype
+        return visible.detach().clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g.to(ctx.gdtype)
+
+
+class Tape:
+    """Maps visible tensors of one training forward to their FP32 graph counterparts."""
+
+    def __init__(self):
+        self.map = {}
+
+    def put(self, vis, g):
+        self.map[id(vis)] = (vis, g)
+
+    def get(self, vis):
+        e = self.map.get(id(vis))
+        if e is None or e[0] is not vis:
+            return None
+        return e[1]
+
+
+def _silu(x):
+    return x * torch.sigmoid(x)
+
+
+class ConsistentOps:
+    """zerodiff ops (see module docstring). One instance per side; ``tape`` set only in training."""
+
+    name = "consistent"
+    side = "any"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.tape: Tape | None = None
+
+    # ---- autograd plumbing --------------------------------------------------------------------------
+    @property
+    def grad(self) -> bool:
+        return self.tape is not None and torch.is_grad_enabled()
+
+    def g(self, x):
+        """Graph view of a visible tensor: value == x (as fp32), gradient to its producer's graph."""
+        gx = self.tape.get(x) if self.tape is not None else None
+        xf = x.detach().float()
+        if gx is None:
+            return xf
+        return xf + (gx - gx.detach())
+
+    def m(self, w):
+        """Master of a weight as an FP32 graph leaf (version-guarded)."""
+        return _Guard.apply(w.master, w.name)
+
+    def put(self, vis, gfn):
+        if self.grad:
+            g = gfn()
+            if g is not None and g.requires_grad:
+                self.tape.put(vis, g)
+        return vis
+
+    def attach(self, vis):
+        """Final output: the visible bits with the graph's gradient."""
+        if not self.grad:
+            return vis
+        g = self.tape.get(vis)
+        if g is None:
+            return vis
+        return _Attach.apply(vis, g)
+
+    # ---- visible kernels (overridden by the baseline) -----------------------------------------------
+    def k_rms_norm(self, x, w):
+        return rms_norm(x, w, self.cfg.rms_eps)
+
+    def k_fp8_linear(self, x, w: Fp8Weight):
+        if x.device.type == "cpu":  # CPU fast path, bit-identical to zerodiff.ops.fp8_gemm's reference backend
+            aq, as_ = quant_act(x)
+            return _I.fp8_gemm_blocks(aq, as_, w.q, w.scale)
+        return fp8_linear(x, w)
+
+    def k_bf16_linear(self, x, w, out_dtype):
+        return bf16_gemm(x, w, out_dtype=out_dtype)
+
+    def k_router(self, x, w):
+        return router_gemm(x, w)
+
+    def k_mhc_pre(self, X, fn, scale, base):
+        c = self.cfg
+        return _fixed_rows(lambda r: mhc_pre(r, fn, scale, base, sinkhorn_iters=c.sinkhorn_iters,
+                                             rms_eps=c.rms_eps), X)
+
+    def k_mhc_post(self, y, X, post, comb):
+        return mhc_post(y, X, post, comb)
+
+    def k_swiglu_quant(self, h):
+        return _fixed_rows(lambda a: silu_mul_quant_fp8(a), h)
+
+    def k_topk(self, scores, k, lengths=None):
+        return deterministic_topk(scores, k, lengths)
+
+    def k_route(self, logits, bias, k, scale):
+        return route(logits, k, bias=bias, routed_scale=scale, topk_fn=self.k_topk)
+
+    def k_logprobs(self, logits, ids):
+        return token_logprobs(logits, ids)
+
+    def k_indexer(self, q, w, kq, ks, lengths):
+        return indexer_scores(q, w, kq, ks, lengths)
+
+    def k_attention(self, q, ws, sel, sm_scale, step, kv_fresh):
+        """q [T, h, dqk] bf16; ws [T, K, dqk] workspace gathered from the FP8 cache; sel [T, K]."""
+        idx = workspace_indices(sel)
+        return sparse_attention(q, ws.reshape(-1, ws.shape[-1]), idx, sm_scale, self.cfg.d_latent)
+
+    # ---- ops the model calls ------------------------------------------------------------------------
+    def embed(self, tokens, w):
+        with torch.no_grad():
+            v = w.dep[tokens]
+        return self.put(v, lambda: self.m(w)[tokens])
+
+    def rms_norm(self, x, w):
+        with torch.no_grad():
+            v = self.k_rms_norm(x, w.dep)
+        eps = self.cfg.rms_eps
+
+        def gfn():
+            xf = self.g(x)
+            r = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps)
+            return xf * r * self.m(w)
+
+        return self.put(v, gfn)
+
+    def fp8_linear(self, x, w):
+        with torch.no_grad():
+            v = self.k_fp8_linear(x, w.dep)
+        return self.put(v, lambda: self.g(x) @ self.m(w).t())
+
+    def bf16_linear(self, x, w, out_dtype=torch.bfloat16):
+        with torch.no_grad():
+            v = self.k_bf16_linear(x, w.dep, out_dtype)
+        return self.put(v, lambda: self.g(x) @ self.m(w).t())
+
+    def router(self, x, w):
+        with torch.no_grad():
+            v = self.k_router(x, w.dep)
+        return self.put(v, lambda: self.g(x) @ self.m(w).t())
+
+    def mhc_pre(self, X, wfn, wscale, wbase):
+        with torch.no_grad():
+            u, post, comb = self.k_mhc_pre(X, wfn.dep, wscale.dep, wbase.dep)
+        if self.grad:
+            c = self.cfg
+            T, n, H = X.shape
+            Xg = self.g(X)
+            fn, s, b = self.m(wfn), self.m(wscale), self.m(wbase)
+            x = Xg.reshape(T, n * H)
+            mix = (x @ fn.t()) * torch.rsqrt((x * x).mean(-1, keepdim=True) + c.rms_eps)
+            pre = torch.sigmoid(mix[:, :n] * s[0] + b[:n]) + 1e-6
+            pg = torch.sigmoid(mix[:, n: 2 * n] * s[1] + b[n: 2 * n]) * 2.0
+            lg = mix[:, 2 * n:].reshape(T, n, n) * s[2] + b[2 * n:].reshape(1, n, n)
+            cm = torch.softmax(lg, -1) + 1e-6
+            cm = cm / (cm.sum(-2, keepdim=True) + 1e-6)
+            for _ in range(c.sinkhorn_iters - 1):
+                cm = cm / (cm.sum(-1, keepdim=True) + 1e-6)
+                cm = cm / (cm.sum(-2, keepdim=True) + 1e-6)
+            ug = (pre.unsqueeze(-1) * Xg).sum(1)
+            self.tape.put(u, ug)
+            self.tape.put(post, pg)
+            self.tape.put(comb, cm)
+        return u, post, comb
+
+    def mhc_post(self, y, X, post, comb):
+        with torch.no_grad():
+            v = self.k_mhc_post(y, X, post, comb)
+
+        def gfn():
+            yg, Xg, pg, cg = self.g(y), self.g(X), self.g(post), self.g(comb)
+            return pg.unsqueeze(-1) * yg.unsqueeze(1) + torch.einsum("tij,tih->tjh", cg, Xg)
+
+        return self.put(v, gfn)
+
+    def mhc_final(self, X):
+        """Sum of the n streams, left to right in FP32, one rounding to BF16."""
+        with torch.no_grad():
+            acc = X[:, 0].float()
+            for i in range(1, X.shape[1]):
+                acc = acc + X[:, i].float()
+            v = acc.to(torch.bfloat16)
+        return self.put(v, lambda: self.g(X).sum(1))
+
+    def rope(self, x, cos, sin):
+        """Half-split rotary on the last dim: x [T, ..., R] bf16, cos/sin fp32 [T, R/2] (per token)."""
+        shape = [x.shape[0]] + [1] * (x.dim() - 2) + [cos.shape[-1]]
+        c, s = cos.reshape(shape), sin.reshape(shape)
+
+        def f(xf):
+            h = xf.shape[-1] // 2
+            x1, x2 = xf[..., :h], xf[..., h:]
+            return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1)
+
+        with torch.no_grad():
+            v = f(x.float()).to(torch.bfloat16)
+        return self.put(v, lambda: f(self.g(x)))
+
+    def indexer_topk(self, q, w, cache, layer, step):
+        """Positions [T, topk] int32 (request-local, descending, -1 last) of the DSA selection."""
+        with torch.no_grad():
+            Wd = max(int(step.max_pos) + 1, self.cfg.topk)
+            kq, ks = cache.gather_index_keys(layer, step, Wd)
+            lengths = (step.pos + 1).to(torch.int32)
+            scores = self.k_indexer(q, w, kq, ks, lengths)
+            return self.k_topk(scores, self.cfg.topk, lengths)
+
+    def attention(self, q, kv_nope, k_rope, cache, layer, step, sel):
+        cfg = self.cfg
+        sm_scale = 1.0 / math.sqrt(cfg.d_qk)
+        with torch.no_grad():
+            ws = cache.gather(layer, step, sel)
+            v = self.k_attention(q, ws, sel, sm_scale, step, (kv_nope, k_rope))
+
+        def gfn():
+            flat = step.flat_index(sel)  # [T, K] index into this step's tokens, -1 invalid
+            kv = torch.cat([self.g(kv_nope), self.g(k_rope)], -1)  # [T, dqk]
+            valid = flat >= 0
+            kg = kv[flat.clamp(min=0).long()]  # [T, K, dqk]
+            qg = self.g(q)
+            s = torch.einsum("thd,tkd->thk", qg, kg) * sm_scale
+            s = s.masked_fill(~valid[:, None, :], float("-inf"))
+            p = torch.softmax(s, -1)
+            return torch.einsum("thk,tkd->thd", p, kg[..., : cfg.d_latent])
+
+        return self.put(v, gfn)
+
+    def route(self, logits, bias_w):
+        cfg = self.cfg
+        with torch.no_grad():
+            wts, ids = self.k_route(logits, bias_w.dep, cfg.top_experts, cfg.routed_scale)
+
+        def gfn():
+            sc = torch.sigmoid(self.g(logits)).gather(1, ids.long())
+            return sc / sc.sum(-1, keepdim=True) * cfg.routed_scale
+
+        return self.put(wts, gfn), ids
+
+    def _expert_visible(self, x, w13: Fp8Weight, w2: Fp8Weight):
+        h = self.k_fp8_linear(x, w13)
+        q, s = self.k_swiglu_quant(h)
+        return self.k_fp8_down(q, s, h, w2)
+
+    def k_fp8_down(self, q, s, h, w2):
+        if q.device.type == "cpu":
+            return _I.fp8_gemm_blocks(q, s, w2.q, w2.scale)
+        return fp8_gemm(q, s, w2.q, w2.scale)
+
+    def k_experts(self, xr, w13: Fp8Weight, w2: Fp8Weight, row_expert):
+        """Routed experts on rows [R, H] (row r uses expert row_expert[r]) -> bf16 [R, H]."""
+        if xr.device.type == "cpu":  # one grouped call, bit-identical to the per-expert reference
+            aq, as_ = quant_act(xr)
+            h = _I.fp8_gemm_blocks(aq, as_, w13.q, w13.scale, row_expert=row_expert)
+            q, s = self.k_swiglu_quant(h)
+            return _I.fp8_gemm_blocks(q, s, w2.q, w2.scale, row_expert=row_expert)
+        out = torch.zeros(xr.shape[0], w2.q.shape[1], dtype=torch.bfloat16, device=xr.device)
+        for e in torch.unique(row_expert).tolist():
+            rr = (row_expert == e).nonzero(as_tuple=True)[0]
+            out[rr] = self._expert_visible(xr[rr], Fp8Weight(w13.q[e], w13.scale[e]), Fp8Weight(w2.q[e], w2.scale[e]))
+        return out
+
+    def moe(self, x, wts, ids, e13, e2, s13, s2):
+        """Routed experts combined in FP32 in slot order + shared expert in FP32, one rounding to BF16."""
+        T, k = ids.shape
+        idl = ids.long()
+        with torch.no_grad():
+            xr = x.unsqueeze(1).expand(T, k, x.shape[1]).reshape(T * k, x.shape[1])
+            slot_out = self.k_experts(xr, e13.dep, e2.dep, idl.reshape(-1)).view(T, k, x.shape[1])
+            acc = wts[:, 0:1] * slot_out[:, 0].float()
+            for j in range(1, k):
+                acc = acc + wts[:, j: j + 1] * slot_out[:, j].float()
+            sh = self._expert_visible(x, s13.dep, s2.dep).float()
+            v = (acc + sh).to(torch.bfloat16)
+
+        def gfn():
+            xg = self.g(x)
+            wg = self.g(wts)
+            W13, W2, S13, S2 = self.m(e13), self.m(e2), self.m(s13), self.m(s2)
+            I = W13.shape[1] // 2
+            out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+            for e in torch.unique(idl).tolist():
+                tt, jj = (idl == e).nonzero(as_tuple=True)
+                hh = xg[tt] @ W13[e].t()
+                y = (_silu(hh[:, :I]) * hh[:, I:]) @ W2[e].t()
+                out = out.index_add(0, tt, wg[tt, jj].unsqueeze(-1) * y)
+            Is = S13.shape[0] // 2
+            hs = xg @ S13.t()
+            return out + (_silu(hs[:, :Is]) * hs[:, Is:]) @ S2.t()
+
+        return self.put(v, gfn)
+
+    def lm_head(self, x, w):
+        return self.bf16_linear(x, w, out_dtype=torch.float32)
+
+    def logprobs(self, logits, ids):
+        with torch.no_grad():
+            v = self.k_logprobs(logits, ids)
+
+        def gfn():
+            return torch.log_softmax(self.g(logits), -1).gather(1, ids.long().unsqueeze(1)).squeeze(1)
+
+        return self.attach(self.put(v, gfn))
+
+
+# ---- baseline (negative control) -----------------------------------------------------------------------
+def _deq(w: Fp8Weight):
+    return dequant_weight_block_ref(w.q, w.scale)
+
+
+class BaselineRolloutOps(ConsistentOps):
+    """Stock inference-style paths (fast, shape-dependent): see :data:`BASELINE_CHOICE`."""
+
+    name = "baseline"
+    side = "rollout"
+
+    def k_rms_norm(self, x, w):
+        return F.rms_norm(x.float(), (x.shape[-1],), w.float(), self.cfg.rms_eps).to(torch.bfloat16)
+
+    def k_fp8_linear(self, x, w):
+        return F.linear(x, _deq(w).to(torch.bfloat16))
+
+    def k_bf16_linear(self, x, w, out_dtype):
+        return F.linear(x, w).to(out_dtype)
+
+    def k_router(self, x, w):
+        return F.linear(x, w).float()
+
+    def k_mhc_pre(self, X, fn, scale, base):
+        from zerodiff.ops.mhc import mhc_pre_split_baseline
+
+        return mhc_pre_split_baseline(X, fn, scale, base, sinkhorn_iters=self.cfg.sinkhorn_iters,
+                                      rms_eps=self.cfg.rms_eps, n_sms=132, gemm="torch", epilogue="torch")
+
+    def k_mhc_post(self, y, X, post, comb):
+        return (post.unsqueeze(-1) * y.float().unsqueeze(1)
+                + torch.einsum("tij,tih->tjh", comb, X.float())).to(torch.bfloat16)
+
+    def k_swiglu_quant(self, h):
+        I = h.shape[1] // 2
+        a = F.silu(h[:, :I]) * h[:, I:]  # two BF16 roundings
+        return quant_act(a)
+
+    def k_topk(self, scores, k, lengths=None):
+        if lengths is not None:
+            W = scores.shape[1]
+            col = torch.arange(W, device=scores.device)[None, :]
+            scores = scores.masked_fill(col >= lengths[:, None].long(), float("-inf"))
+        vals, idx = torch.topk(scores, min(k, scores.shape[1]), dim=1)
+        idx = idx.to(torch.int32).masked_fill(vals == float("-inf"), -1)
+        return idx
+
+    def k_route(self, logits, bias, k, scale):
+        sc = torch.sigmoid(logits)
+        _, ids = torch.topk(sc + bias, k, dim=1)
+        w = sc.gather(1, ids)
+        return w / w.sum(-1, keepdim=True) * scale, ids.to(torch.int32)
+
+    def k_experts(self, xr, w13, w2, row_expert):
+        out = torch.zeros(xr.shape[0], w2.q.shape[1], dtype=torch.bfloat16, device=xr.device)
+        for e in torch.unique(row_expert).tolist():
+            rr = (row_expert == e).nonzero(as_tuple=True)[0]
+            out[rr] = self._expert_visible(xr[rr], Fp8Weight(w13.q[e], w13.scale[e]), Fp8Weight(w2.q[e], w2.scale[e]))
+        return out
+
+    def k_logprobs(self, logits, ids):
+        return torch.log_softmax(logits.float(), -1).gather(1, ids.long().unsqueeze(1)).squeeze(1)
+
+    def k_indexer(self, q, w, kq, ks, lengths):
+        k = kq.float() * ks
+        s = torch.relu(torch.einsum("thd,twd->thw", q.float(), k))
+        return torch.einsum("th,thw->tw", w, s)
+
+    def k_attention(self, q, ws, sel, sm_scale, step, kv_fresh):
+        valid = sel >= 0
+        qf, kf = q.float(), ws.float()
+        s = torch.einsum("thd,tkd->thk", qf, kf) * sm_scale
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+        v = kf[..., : self.cfg.d_latent]
+        decode = step.is_decode_token()  # [T] bool: single-token requests of this step
+        out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+        pre = ~decode
+        if bool(pre.any()):
+            out[pre] = torch.einsum("thk,tkd->thd", torch.softmax(s[pre], -1), v[pre])
+        if bool(decode.any()):
+            # split-K decode: the split count follows the batch size (as stock decode kernels do)
+            nd = int(decode.sum())
+            splits = 1 if nd < 4 else 2 if nd < 8 else 4
+            sd, vd = s[decode], v[decode]
+            K = sd.shape[-1]
+            chunks = [(a, min(K, a + (K + splits - 1) // splits)) for a in range(0, K, (K + splits - 1) // splits)]
+            ms, ls, os_ = [], [], []
+            for a, b in chunks:
+                m = sd[..., a:b].amax(-1, keepdim=True).clamp(min=-1e30)
+                p = torch.exp(sd[..., a:b] - m).to(torch.bfloat16).float()
+                ms.append(m)
+                ls.append(p.sum(-1, keepdim=True))
+                os_.append(torch.einsum("thk,tkd->thd", p, vd[:, a:b]))
+            M = torch.stack(ms).amax(0)
+            num = sum(o * torch.exp(m - M) for o, m in zip(os_, ms))
+            den = sum(l * torch.exp(m - M) for l, m in zip(ls, ms))
+            out[decode] = num / den
+        return out.to(torch.bfloat16)
+
+
+class BaselineTrainOps(BaselineRolloutOps):
+    """Stock training-style paths: FP32 swiglu without FP8, dense attention over fresh BF16 K/V, ..."""
+
+    side = "train"
+
+    def k_fp8_linear(self, x, w):
+        return (x.float() @ _deq(w).t()).to(torch.bfloat16)
+
+    def k_router(self, x, w):
+        return F.linear(x.float(), w.float())
+
+    def k_mhc_pre(self, X, fn, scale, base):
+        from zerodiff.ops.mhc import mhc_pre_torch_eager
+
+        return mhc_pre_torch_eager(X, fn, scale, base, sinkhorn_iters=self.cfg.sinkhorn_iters,
+                                   rms_eps=self.cfg.rms_eps)
+
+    def k_swiglu_quant(self, h):
+        return None, None  # unused: _expert_visible is overridden
+
+    def _expert_visible(self, x, w13, w2):
+        h = (x.float() @ _deq(w13).t())
+        I = h.shape[1] // 2
+        a = (F.silu(h[:, :I]) * h[:, I:]).to(torch.bfloat16)
+        return (a.float() @ _deq(w2).t()).to(torch.bfloat16)
+
+    def k_attention(self, q, ws, sel, sm_scale, step, kv_fresh):
+        kv_nope, k_rope = kv_fresh
+        flat = step.flat_index(sel)
+        valid = flat >= 0
+        kv = torch.cat([kv_nope, k_rope], -1).float()[flat.clamp(min=0).long()]
+        s = torch.einsum("thd,tkd->thk", q.float(), kv) * sm_scale
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+        return torch.einsum("thk,tkd->thd", torch.softmax(s, -1), kv[..., : self.cfg.d_latent]).to(torch.bfloat16)
+
+
+def make_ops(mode: str, side: str, cfg):
+    """``mode`` 'consistent' | 'baseline'; ``side`` 'rollout' | 'train'."""
+    if mode == "consistent":
+        return ConsistentOps(cfg)
+    if mode == "baseline":
+        return BaselineRolloutOps(cfg) if side == "rollout" else BaselineTrainOps(cfg)
+    raise ValueError(f"zerodiff: unknown mode {mode!r} (expected 'consistent' or 'baseline')")
+
+
+__all__ = [
+    "ConsistentOps", "BaselineRolloutOps", "BaselineTrainOps", "make_ops", "Tape", "WeightVersionError",
+    "Fp8Weight", "new_kv_cache", "write_kv_cache", "gather_kv", "BASELINE_CHOICE", "INTERIM_OPS", "det_exp",
+    "tree_sum",
+]
