@@ -113,8 +113,10 @@ def unpack(side: str, archive: Path, pins: dict[str, str], dest: Path) -> None:
     git(["init", "-q"], dest)
     git(["config", "core.autocrlf", "false"], dest)
     git(["add", "-A", "-f", "."], dest)  # -f: the archive's own .gitignore must not drop files
-    git(["commit", "-q", "--no-verify", "-m", f"pristine {side} {version} ({extra})"], dest)
-    git(["tag", PRISTINE_TAG], dest)
+    # no signing, no hooks: a user's global git config must not change or block the pristine commit
+    git(["-c", "commit.gpgsign=false", "commit", "-q", "--no-verify", "-m", f"pristine {side} {version} ({extra})"],
+        dest)
+    git(["-c", "tag.gpgsign=false", "tag", PRISTINE_TAG], dest)
     marker.write_text(stamp)
     n = len(git(["ls-files"], dest).stdout.splitlines())
     say(f"[{side}] unpacked {archive.name} into {dest}: {n} files, one commit, tag {PRISTINE_TAG}")
