@@ -37,6 +37,8 @@ from ..reference.logprobs import CHUNK, token_logprobs_ref
 __all__ = ["token_logprobs", "CHUNK"]
 
 _NUM_WARPS = 8
+# the chunk loop prefetches the next chunks into shared memory (cp.async) with this many stages: a load
+# schedule only, the arithmetic and its order are unchanged (3 x 16 KB for BF16, 2 x 32 KB for FP32)
 
 if zt.HAVE_TRITON:
     import triton
@@ -69,7 +71,8 @@ if zt.HAVE_TRITON:
     @triton.jit
     def _logprobs_kernel(l_ptr, id_ptr, t_ptr, out_ptr, V, stride_l, temp,
                          SCALE: tl.constexpr, TEMP_TENSOR: tl.constexpr, IS_BF16: tl.constexpr,
-                         CHUNK_: tl.constexpr, LOG2C: tl.constexpr, EXACT: tl.constexpr):
+                         CHUNK_: tl.constexpr, LOG2C: tl.constexpr, NUM_STAGES: tl.constexpr,
+                         EXACT: tl.constexpr):
         pid = tl.program_id(0)
         base = l_ptr + pid.to(tl.int64) * stride_l
         if TEMP_TENSOR:
@@ -77,7 +80,7 @@ if zt.HAVE_TRITON:
         lanes = tl.arange(0, CHUNK_)
         m = tl.full([], float("-inf"), tl.float32)
         s = tl.zeros([CHUNK_], dtype=tl.float32)
-        for start in range(0, V, CHUNK_):
+        for start in tl.range(0, V, CHUNK_, num_stages=NUM_STAGES):
             cols = start + lanes
             z = _widen(tl.load(base + cols, mask=cols < V, other=float("-inf")), IS_BF16, EXACT)
             if SCALE:
@@ -163,5 +166,6 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature
         logits, ids, tptr, out, V, logits.stride(0), 1.0 if temp_tensor else float(temperature),
         SCALE=scale, TEMP_TENSOR=temp_tensor, IS_BF16=logits.dtype == torch.bfloat16,
         CHUNK_=CHUNK, LOG2C=CHUNK.bit_length() - 1, EXACT=zt.EXACT_CASTS,
+        NUM_STAGES=3 if logits.dtype == torch.bfloat16 else 2,
         num_warps=_NUM_WARPS, **zt.LAUNCH_OPTS)
     return out
