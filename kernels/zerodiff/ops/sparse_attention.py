@@ -57,6 +57,7 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 BLOCK_H = 16
 BLOCK_N = 32
+V_SPLIT = 1
 NUM_WARPS = 8  # fixed launch config (no spills on SM90 for the workspace path; checked with cuobjdump)
 
 if HAVE_TRITON:
@@ -66,42 +67,57 @@ if HAVE_TRITON:
     from .._triton import cast_bf16
 
     @triton.jit
-    def _load_kv_rows(kv_ptr, kv_s0, S, idx, cache_ptr, bt_ptr, bt_s0, req, num_blocks, max_blocks,
-                      D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BPT: tl.constexpr,
-                      FROM_CACHE: tl.constexpr, EXACT: tl.constexpr):
-        """(k_nope bf16 [N, D_V], k_rope bf16 [N, D_R], valid [N]) for one block of the index list: from the
-        BF16 workspace, or straight from the FP8 paged cache with the gather kernel's exact dequant."""
-        dv = tl.arange(0, D_V)
-        dr = tl.arange(0, D_R)
+    def _resolve_rows(kv_ptr, kv_s0, S, idx, cache_ptr, bt_ptr, bt_s0, req, num_blocks, max_blocks,
+                      BLOCK_SIZE: tl.constexpr, BPT: tl.constexpr, FROM_CACHE: tl.constexpr):
+        """Row base pointers of one block of the index list, (base, ok, bad): the BF16 workspace row, or
+        the FP8 cache token resolved through the request's block table exactly as kv_cache.gather_kv."""
         if FROM_CACHE:
-            # idx = request-local positions; the same block resolution and dequant as kv_cache.gather_kv
-            valid = idx >= 0
+            valid = idx >= 0  # request-local positions
             lb = tl.where(valid, idx // BLOCK_SIZE, 0)
             in_table = lb < max_blocks
             blk = tl.load(bt_ptr + req * bt_s0 + lb, mask=valid & in_table, other=-1).to(tl.int64)
             ok = valid & in_table & (blk >= 0) & (blk < num_blocks)
             bad = valid & (~ok)
             base = cache_ptr + tl.where(ok, blk * BLOCK_SIZE + idx % BLOCK_SIZE, 0) * BPT
-            G: tl.constexpr = D_V // 128
-            gi = tl.arange(0, G)
-            ci = tl.arange(0, 128)
-            off = gi[None, :, None] * 128 + ci[None, None, :]
-            code = tl.load(base[:, None, None] + off, mask=ok[:, None, None] & (off >= 0), other=0)
-            sc = tl.load((base[:, None] + D_V).to(tl.pointer_type(tl.float32)) + gi[None, :],
-                         mask=ok[:, None] & (gi[None, :] >= 0), other=0.0)
-            kn3 = cast_bf16(code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, :, None], EXACT)
-            kn = tl.reshape(kn3, [kn3.shape[0], D_V])
-            kr = tl.load((base[:, None] + D_V + 4 * G).to(tl.pointer_type(tl.bfloat16)) + dr[None, :],
-                         mask=ok[:, None], other=0.0)
-            nan = tl.full([1, 1], float("nan"), tl.float32).to(tl.bfloat16)
-            kn = tl.where(bad[:, None], nan, kn)
-            kr = tl.where(bad[:, None], nan, kr)
         else:
-            valid = (idx >= 0) & (idx < S)
-            row = kv_ptr + tl.where(valid, idx, 0) * kv_s0
-            kn = tl.load(row[:, None] + dv[None, :], mask=valid[:, None], other=0.0)
-            kr = tl.load(row[:, None] + D_V + dr[None, :], mask=valid[:, None], other=0.0)
-        return kn, kr, valid
+            ok = (idx >= 0) & (idx < S)
+            bad = idx < -2147483648  # never: the workspace path has no unresolvable rows
+            base = kv_ptr + tl.where(ok, idx, 0) * kv_s0
+        return base, ok, bad
+
+    @triton.jit
+    def _load_nope(base, ok, bad, c0, NC: tl.constexpr, D_V: tl.constexpr, FROM_CACHE: tl.constexpr,
+                   EXACT: tl.constexpr):
+        """Latent channels [c0, c0 + NC) of each row as bf16 [N, NC] (FP8: bf16(float(code) * scale))."""
+        if FROM_CACHE:
+            NG: tl.constexpr = NC // 128
+            gi = tl.arange(0, NG)
+            ci = tl.arange(0, 128)
+            off = c0 + gi[None, :, None] * 128 + ci[None, None, :]
+            code = tl.load(base[:, None, None] + off, mask=ok[:, None, None] & (off >= 0), other=0)
+            sc = tl.load((base[:, None] + D_V).to(tl.pointer_type(tl.float32)) + c0 // 128 + gi[None, :],
+                         mask=ok[:, None] & (gi[None, :] >= 0), other=0.0)
+            k3 = cast_bf16(code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, :, None], EXACT)
+            k = tl.reshape(k3, [k3.shape[0], NC])
+            nan = tl.full([1, 1], float("nan"), tl.float32).to(tl.bfloat16)
+            k = tl.where(bad[:, None], nan, k)
+        else:
+            c = c0 + tl.arange(0, NC)
+            k = tl.load(base[:, None] + c[None, :], mask=ok[:, None], other=0.0)
+        return k
+
+    @triton.jit
+    def _load_rope(base, ok, bad, D_V: tl.constexpr, D_R: tl.constexpr, FROM_CACHE: tl.constexpr):
+        dr = tl.arange(0, D_R)
+        if FROM_CACHE:
+            G: tl.constexpr = D_V // 128
+            k = tl.load((base[:, None] + D_V + 4 * G).to(tl.pointer_type(tl.bfloat16)) + dr[None, :],
+                        mask=ok[:, None], other=0.0)
+            nan = tl.full([1, 1], float("nan"), tl.float32).to(tl.bfloat16)
+            k = tl.where(bad[:, None], nan, k)
+        else:
+            k = tl.load(base[:, None] + D_V + dr[None, :], mask=ok[:, None], other=0.0)
+        return k
 
     @triton.jit
     def _sparse_attn_kernel(
@@ -109,15 +125,19 @@ if HAVE_TRITON:
         H, K, S, scale_log2,
         cache_ptr, bt_ptr, bt_s0, req_ptr, num_blocks, max_blocks,
         D_V: tl.constexpr, D_R: tl.constexpr, HAS_SINK: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, EXACT: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, V_SPLIT: tl.constexpr, EXACT: tl.constexpr,
         FROM_CACHE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BPT: tl.constexpr,
     ):
+        # grid: (query row, head block, V part). Every program of a row recomputes the same scores and
+        # softmax statistics; V part vp accumulates output channels [vp * DV_OUT, (vp + 1) * DV_OUT).
         r = tl.program_id(0).to(tl.int64)
         if FROM_CACHE:
             req = tl.load(req_ptr + r).to(tl.int64)
         else:
             req = r
         hb = tl.program_id(1)
+        vp = tl.program_id(2)
+        DV_OUT: tl.constexpr = D_V // V_SPLIT
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hm = h < H
         dv = tl.arange(0, D_V)
@@ -130,15 +150,23 @@ if HAVE_TRITON:
             qr = qr.to(tl.float32)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, D_V], tl.float32)
+        acc = tl.zeros([BLOCK_H, DV_OUT], tl.float32)
         for n0 in range(0, K, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             idx = tl.load(idx_ptr + r * idx_s0 + n, mask=n < K, other=-1).to(tl.int64)
-            kn, kr, valid = _load_kv_rows(kv_ptr, kv_s0, S, idx, cache_ptr, bt_ptr, bt_s0, req, num_blocks,
-                                          max_blocks, D_V, D_R, BLOCK_SIZE, BPT, FROM_CACHE, EXACT)
+            base, ok, bad = _resolve_rows(kv_ptr, kv_s0, S, idx, cache_ptr, bt_ptr, bt_s0, req, num_blocks,
+                                          max_blocks, BLOCK_SIZE, BPT, FROM_CACHE)
+            valid = ok | bad
+            kn = _load_nope(base, ok, bad, 0, D_V, D_V, FROM_CACHE, EXACT)
+            kr = _load_rope(base, ok, bad, D_V, D_R, FROM_CACHE)
+            if V_SPLIT == 1:
+                kv_out = kn
+            else:
+                kv_out = _load_nope(base, ok, bad, vp * DV_OUT, DV_OUT, D_V, FROM_CACHE, EXACT)
             if EXACT:
                 kn = kn.to(tl.float32)
                 kr = kr.to(tl.float32)
+                kv_out = kv_out.to(tl.float32)
             s = tl.dot(qn, tl.trans(kn)) + tl.dot(qr, tl.trans(kr))
             s = s * scale_log2
             s = tl.where(valid[None, :], s, float("-inf"))
@@ -150,7 +178,7 @@ if HAVE_TRITON:
             pb = cast_bf16(p, EXACT)
             if EXACT:
                 pb = pb.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(pb, kn)
+            acc = acc * alpha[:, None] + tl.dot(pb, kv_out)
             m = m_new
         lonely = l == 0.0
         l_safe = tl.where(lonely, 1.0, l)
@@ -161,8 +189,9 @@ if HAVE_TRITON:
             o = o * (1.0 / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2)))[:, None]
         o = tl.where(lonely[:, None], 0.0, o)
         lse = tl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
-        tl.store(out_ptr + r * o_s0 + h[:, None] * o_s1 + dv[None, :], cast_bf16(o, EXACT), mask=hm[:, None])
-        tl.store(lse_ptr + r * lse_s0 + h, lse, mask=hm)
+        do = vp * DV_OUT + tl.arange(0, DV_OUT)
+        tl.store(out_ptr + r * o_s0 + h[:, None] * o_s1 + do[None, :], cast_bf16(o, EXACT), mask=hm[:, None])
+        tl.store(lse_ptr + r * lse_s0 + h, lse, mask=hm & (vp == 0))
 
 
 def _flashmla_supports(q, kv2, idx2, d_v) -> str | None:
@@ -257,13 +286,13 @@ def sparse_attention(q, kv, indices, sm_scale: float, *, d_v: int = 512, attn_si
     kv2 = kv2 if kv2.stride(1) == 1 else kv2.contiguous()
     idx2 = idx2 if idx2.stride(1) == 1 else idx2.contiguous()
     sink = attn_sink if attn_sink is not None else lse  # dummy pointer when HAS_SINK is false
-    _sparse_attn_kernel[(Q, triton.cdiv(H, BLOCK_H))](
+    _sparse_attn_kernel[(Q, triton.cdiv(H, BLOCK_H), V_SPLIT)](
         q, q.stride(0), q.stride(1), kv2, kv2.stride(0), idx2, idx2.stride(0), sink,
         out, out.stride(0), out.stride(1), lse, lse.stride(0),
         H, idx2.shape[1], kv2.shape[0], float(sm_scale) * LOG2E,
         lse, lse, 0, lse, 0, 0,
         D_V=d_v, D_R=D - d_v, HAS_SINK=attn_sink is not None,
-        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, EXACT=_triton.EXACT_CASTS, FROM_CACHE=False, BLOCK_SIZE=1, BPT=1,
+        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, V_SPLIT=V_SPLIT, EXACT=_triton.EXACT_CASTS, FROM_CACHE=False, BLOCK_SIZE=1, BPT=1,
         num_warps=NUM_WARPS, **LAUNCH_OPTS,
     )
     return out, lse
@@ -307,13 +336,13 @@ def sparse_mla_attention_fp8(q, cache, block_table, req_ids, positions, sm_scale
     positions = positions if positions.stride(1) == 1 else positions.contiguous()
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     sink = attn_sink if attn_sink is not None else lse
-    _sparse_attn_kernel[(Q, triton.cdiv(H, BLOCK_H))](
+    _sparse_attn_kernel[(Q, triton.cdiv(H, BLOCK_H), V_SPLIT)](
         q, q.stride(0), q.stride(1), lse, 0, positions, positions.stride(0), sink,
         out, out.stride(0), out.stride(1), lse, lse.stride(0),
         H, positions.shape[1], 0, float(sm_scale) * LOG2E,
         cache, block_table, block_table.stride(0), req_ids, cache.shape[0], block_table.shape[1],
         D_V=d_nope, D_R=d_rope, HAS_SINK=attn_sink is not None,
-        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, EXACT=_triton.EXACT_CASTS, FROM_CACHE=True,
+        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, V_SPLIT=V_SPLIT, EXACT=_triton.EXACT_CASTS, FROM_CACHE=True,
         BLOCK_SIZE=cache.shape[1], BPT=cache.shape[2], num_warps=NUM_WARPS, **LAUNCH_OPTS,
     )
     return out, lse
