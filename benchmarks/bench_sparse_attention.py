@@ -121,11 +121,20 @@ def bench_decode(B, ctx, k, reps, rows):
     def triton_fp8():
         return sa.sparse_mla_attention_fp8(q, cache, bt, req, pos, sc, check=False)
 
+    def triton_fp8_h64v4():
+        # exploration only (not a shipped config): 64 heads per program, V split over 4 programs
+        saved = (sa.BLOCK_H, sa.V_SPLIT)
+        sa.BLOCK_H, sa.V_SPLIT = 64, 4
+        try:
+            return sa.sparse_mla_attention_fp8(q, cache, bt, req, pos, sc, check=False)
+        finally:
+            sa.BLOCK_H, sa.V_SPLIT = saved
+
     shape = f"B={B} ctx={ctx} topk={k}"
     for mode in ("eager", "graph"):
         err: dict = {}
         fns = {"stock": stock, "ours": ours, "gather": gather, "sparse_fwd": sparse_fwd,
-               "triton": triton_ws, "triton_fp8": triton_fp8}
+               "triton": triton_ws, "triton_fp8": triton_fp8, "triton_fp8_h64v4": triton_fp8_h64v4}
         ms = {}
         for name, fn in fns.items():
             f = fn
@@ -141,6 +150,7 @@ def bench_decode(B, ctx, k, reps, rows):
                         gather_ms=round(ms["gather"], 5), sparse_fwd_ms=round(ms["sparse_fwd"], 5),
                         triton_ms=round(ms["triton"], 5), triton_fp8_ms=round(ms["triton_fp8"], 5),
                         triton_fp8_ratio=round(ms["triton_fp8"] / ms["stock"], 4) if ms["stock"] > 0 else None,
+                        triton_fp8_h64v4_ms=round(ms["triton_fp8_h64v4"], 5),
                         errors=err or None))
     del cache, ws
     torch.cuda.empty_cache()
