@@ -180,13 +180,20 @@ def _deepgemm_call(dg, a_q, a_scale, w_q, w_scale, out, ue8m0):
     return out
 
 
+def _norm_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def deepgemm_verdict(N: int, K: int, device, ue8m0: bool = False) -> tuple[bool, str]:
     """Probe DeepGEMM ``fp8_gemm_nt`` for row invariance at (N, K) on ``device``; cached.
 
     Three victim rows are computed alone (M=1), then placed at positions 0, M//2 and M-1 among random filler
     rows for every M in :data:`PROBE_MS`, twice; every victim row must be bitwise equal to its M=1 result.
     """
-    device = torch.device(device)
+    device = _norm_device(device)
     key = (int(N), int(K), str(device), bool(ue8m0))
     if key in _VERDICTS:
         return _VERDICTS[key]
@@ -229,7 +236,7 @@ def _probe(N, K, device, ue8m0):
                 idx = torch.arange(M, device=device)
                 for j, p in enumerate(pos):
                     idx[p] = victims[j]
-                a = qa[idx].contiguous()
+                a = qa.view(torch.uint8)[idx].view(FP8_DTYPE).contiguous()
                 s = sa[idx].contiguous()
                 o = torch.empty((M, N), dtype=torch.bfloat16, device=device)
                 _deepgemm_call(dg, a, s, fw.q, fw.scale, o, ue8m0)
@@ -254,7 +261,7 @@ def _require_deepgemm(N, K, device, ue8m0):
 
 def selected_backend(N: int, K: int, device, ue8m0: bool = False) -> str:
     """What ``backend=None`` runs for an (N, K) weight on ``device`` (never depends on M)."""
-    device = torch.device(device)
+    device = _norm_device(device)
     if device.type != "cuda":
         return "reference"
     env = os.environ.get("ZERODIFF_FP8_GEMM_BACKEND")
@@ -338,7 +345,7 @@ def grouped_fp8_gemm(a_q, a_scale, w_q, w_scale, tile_expert, *, out_dtype=torch
             if e < 0:
                 continue
             rows = (te == e).nonzero().flatten()
-            out[rows] = fp8_gemm_ref(a_q[rows], a_scale[rows], w_q[e], w_scale[e], out_dtype)
+            out[rows] = fp8_gemm_ref(a_q.view(torch.uint8)[rows].view(a_q.dtype), a_scale[rows], w_q[e], w_scale[e], out_dtype)
         return out
     _triton.require_triton()
     return _launch(a_q, a_scale, w_q, w_scale, out, tile_expert=tile_expert.contiguous())

@@ -59,5 +59,5 @@ def grouped_fp8_gemm_ref(a_q, a_scale, w_q, w_scale, row_expert, out_dtype=torch
         if e < 0:
             continue
         rows = (row_expert == e).nonzero().flatten()
-        out[rows] = fp8_gemm_ref(a_q[rows], a_scale[rows], w_q[e], w_scale[e], out_dtype)
+        out[rows] = fp8_gemm_ref(a_q.view(torch.uint8)[rows].view(a_q.dtype), a_scale[rows], w_q[e], w_scale[e], out_dtype)
     return out
