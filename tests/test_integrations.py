@@ -537,3 +537,73 @@ def test_fp8_linear_forward_and_ste(seeded):
     lin.refresh()
     assert lin.fp8.q.data_ptr() == q_ptr  # requantised in place (CUDA-graph safe)
     assert torch.equal(lin(x.detach()), fp8_linear(x.detach(), Fp8Weight.from_master(lin.weight.detach())))
+
+
+# ------------------------------------------------------------------ vLLM router / RMSNorm / log-probs
+def test_vllm_router_logits(seeded):
+    from zerodiff.ops.router_gemm import router_gemm
+
+    g = seeded()
+    x = torch.randn(2, 5, 64, generator=g).to(torch.bfloat16)
+    w = (torch.randn(8, 64, generator=g) * 0.1).to(torch.bfloat16)
+    out = zv.router_logits(x, w)
+    assert out.shape == (2, 5, 8) and out.dtype == torch.float32
+    assert torch.equal(out.reshape(10, 8), router_gemm(x.reshape(10, 64), w))
+    # the same row alone and in batches
+    for n in (1, 15, 16, 17, 33):
+        xb = torch.randn(n, 64, generator=g).to(torch.bfloat16)
+        xb[n // 2] = x[0, 0]
+        assert torch.equal(zv.router_logits(xb, w)[n // 2], out[0, 0])
+    with pytest.raises(ConfigError, match="bfloat16"):
+        zv.router_logits(x, w.float())
+
+
+def test_vllm_rms_norm(seeded):
+    from zerodiff.reference.rmsnorm import rms_norm_ref
+
+    g = seeded()
+    x = (torch.randn(3, 4, 64, generator=g) * 2).to(torch.bfloat16)
+    r = (torch.randn(3, 4, 64, generator=g) * 2).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    y = zv.rms_norm(x, w, 1e-6)
+    assert y.shape == x.shape and torch.equal(y.reshape(12, 64), rms_norm_ref(x.reshape(12, 64), w, 1e-6))
+    y2, r2 = zv.rms_norm(x, w, 1e-6, residual=r)
+    ry, rr = rms_norm_ref(x.reshape(12, 64), w, 1e-6, residual=r.reshape(12, 64))
+    assert torch.equal(y2.reshape(12, 64), ry) and torch.equal(r2.reshape(12, 64), rr)
+    assert torch.equal(zv.rms_norm(x, None, 1e-6).reshape(12, 64),
+                       rms_norm_ref(x.reshape(12, 64), torch.ones(64), 1e-6))
+    with pytest.raises(ConfigError, match="bfloat16"):
+        zv.rms_norm(x.float(), w, 1e-6)
+
+
+def test_vllm_custom_ops_trace_with_fake_tensors(seeded):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    zv._ops()
+    with FakeTensorMode():
+        x = torch.empty(7, 64, dtype=torch.bfloat16)
+        w = torch.empty(8, 64, dtype=torch.bfloat16)
+        assert torch.ops.zerodiff_vllm.router_logits(x, w).shape == (7, 8)
+        y, r = torch.ops.zerodiff_vllm.rms_norm_residual(x, x, torch.empty(64), 1e-6)
+        assert y.shape == r.shape == (7, 64)
+
+
+def test_vllm_sampled_logprobs(seeded):
+    from zerodiff.ops.logprobs import token_logprobs
+
+    g = seeded()
+    T, V, k = 4, 300, 3
+    raw = (torch.randn(T, V, generator=g) * 3).to(torch.bfloat16)
+    kept = zv.keep_raw_logits(raw)
+    raw.div_(0.5)  # the sampler mutates its logits in place (temperature)
+    sampled = torch.randint(0, V, (T,), generator=g)
+    stock = raw.float().log_softmax(-1)
+    lt = NS(logprobs=torch.cat([stock.gather(1, sampled[:, None]), stock.topk(k, -1).values], 1))
+    zv.fix_sampled_logprobs(lt, kept, sampled, k)
+    want = token_logprobs(kept, sampled)
+    assert torch.equal(lt.logprobs[:, 0], want)
+    assert torch.equal(lt.logprobs[:, 1:], stock.topk(k, -1).values)  # alternatives untouched
+    full = NS(logprobs=stock.clone())
+    zv.fix_sampled_logprobs(full, kept, sampled, -1)
+    assert torch.equal(full.logprobs.gather(1, sampled[:, None])[:, 0], want)
+    assert zv.fix_sampled_logprobs(None, kept, sampled, k) is None

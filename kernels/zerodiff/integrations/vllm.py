@@ -56,6 +56,15 @@ Adapters (upstream tensors/layouts -> zerodiff ops)
   layouts DeepGEMM reads (MN-major TMA-aligned FP32; UE8M0 packed int32 for ``scale_fmt="UE8M0"``).
 ``scale_fmt`` is the *name* of vLLM's ``DeepGemmQuantScaleFMT`` member (``FLOAT32``,
 ``FLOAT32_CEIL_UE8M0``, ``UE8M0``) so this module never imports vLLM.
+* ``router_logits(x, weight) -> fp32``: ``zerodiff.ops.router_gemm`` for ``GateLinear`` (FP32 output).
+* ``rms_norm(x, weight, eps, residual=None)``: ``zerodiff.ops.rmsnorm`` for vLLM's ``RMSNorm``
+  (``(y, new_residual)`` with a residual, vLLM's fused-add semantics).
+* ``keep_raw_logits(logits)``, ``sampled_token_logprobs(raw_logits, sampled)`` and
+  ``fix_sampled_logprobs(logprobs_tensors, raw_logits, sampled, num_logprobs)``: the sampled token's
+  log-prob from ``zerodiff.ops.logprobs`` (raw logits, temperature 1), the rollout side of the
+  training loss ``-token_logprobs``.
+Adapters called inside vLLM's compiled model forward (router, RMSNorm) run through torch custom ops
+(``zerodiff_vllm::*``) so Dynamo treats them as opaque.
 """
 
 from __future__ import annotations
@@ -79,6 +88,11 @@ __all__ = [
     "moe_act_quant_masked",
     "mn_major_scales",
     "pack_ue8m0_scales",
+    "router_logits",
+    "rms_norm",
+    "keep_raw_logits",
+    "sampled_token_logprobs",
+    "fix_sampled_logprobs",
 ]
 
 ALLOWED_CUDAGRAPH_MODES = ("NONE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -378,3 +392,121 @@ def moe_act_quant_masked(y: torch.Tensor, tokens_per_expert: torch.Tensor, *, gr
     out = torch.empty_strided((E, T, G), (T * G, 1, T), dtype=s.dtype, device=s.device)
     out.copy_(s)
     return q, out
+
+
+# ---------------------------------------------------------------- opaque custom ops (torch.compile-safe)
+# vLLM compiles the model forward with Dynamo; a Python function that launches Triton kernels with our
+# launch options would break the graph there. The adapters called from compiled regions are therefore
+# registered as torch custom ops (opaque to Dynamo, with shape-only fake implementations).
+_LIB = "zerodiff_vllm"
+_OPS: dict = {}
+
+
+def _ops() -> dict:
+    if _OPS:
+        return _OPS
+    from torch.library import custom_op
+
+    @custom_op(f"{_LIB}::router_logits", mutates_args=())
+    def _router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        from ..ops.router_gemm import router_gemm
+
+        return router_gemm(x, w)
+
+    @_router_logits.register_fake
+    def _(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+    @custom_op(f"{_LIB}::rms_norm", mutates_args=())
+    def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        from ..ops.rmsnorm import rms_norm as zd_rms_norm
+
+        return zd_rms_norm(x, w, eps)
+
+    @_rms_norm.register_fake
+    def _(x, w, eps):
+        return torch.empty_like(x)
+
+    @custom_op(f"{_LIB}::rms_norm_residual", mutates_args=())
+    def _rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..ops.rmsnorm import rms_norm as zd_rms_norm
+
+        return zd_rms_norm(x, w, eps, residual=residual)
+
+    @_rms_norm_residual.register_fake
+    def _(x, residual, w, eps):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    _OPS.update(router_logits=_router_logits, rms_norm=_rms_norm, rms_norm_residual=_rms_norm_residual)
+    return _OPS
+
+
+# ----------------------------------------------------------------------------------------- router GEMM
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Replacement for ``GateLinear.forward`` (FP32-output gate): ``zerodiff.ops.router_gemm`` on bf16
+    ``x [..., H]`` and the bf16 gate weight ``[E, H]``, the same kernel at every token count."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise ConfigError(f"zerodiff router: input ({x.dtype}) and gate weight ({weight.dtype}) must be bfloat16 "
+                          "in consistency mode (FP32 gate weights are not supported)")
+    lead = x.shape[:-1]
+    out = _ops()["router_logits"](x.reshape(-1, x.shape[-1]), weight)
+    return out.view(*lead, weight.shape[0])
+
+
+# --------------------------------------------------------------------------------------------- RMSNorm
+_ONES: dict = {}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None):
+    """Replacement for ``RMSNorm.forward_cuda``: ``zerodiff.ops.rmsnorm.rms_norm`` (fixed reduction order).
+    With ``residual``: returns ``(y, new_residual)``, ``new_residual = bf16(x + residual)`` in FP32, as vLLM's
+    fused add. ``weight`` None (weightless norm) multiplies by exact ones."""
+    if x.dtype != torch.bfloat16:
+        raise ConfigError(f"zerodiff RMSNorm: input must be bfloat16 in consistency mode, got {x.dtype}")
+    H = x.shape[-1]
+    if weight is None:
+        key = (H, x.device)
+        if key not in _ONES:
+            _ONES[key] = torch.ones(H, dtype=torch.float32, device=x.device)
+        weight = _ONES[key]
+    x2 = x.reshape(-1, H)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if residual is None:
+        return _ops()["rms_norm"](x2, weight, float(eps)).view(x.shape)
+    r2 = residual.reshape(-1, H)
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    y, r = _ops()["rms_norm_residual"](x2, r2, weight, float(eps))
+    return y.view(x.shape), r.view(x.shape)
+
+
+# ------------------------------------------------------------------------------------ sampled log-probs
+def keep_raw_logits(logits: torch.Tensor) -> torch.Tensor:
+    """A copy of the raw logits taken before the sampler mutates them (temperature is applied in place)."""
+    return logits.detach().clone()
+
+
+def sampled_token_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """FP32 ``log_softmax(raw_logits)[t, sampled[t]]`` from ``zerodiff.ops.logprobs.token_logprobs`` (one
+    program per row, fixed chunked order): the value the training side's ``-loss`` reproduces bit for bit."""
+    from ..ops.logprobs import token_logprobs
+
+    return token_logprobs(raw_logits, sampled.reshape(-1).long())
+
+
+def fix_sampled_logprobs(logprobs_tensors, raw_logits: torch.Tensor, sampled: torch.Tensor, num_logprobs):
+    """Overwrite the sampled token's log-prob in vLLM's ``LogprobsTensors`` with the zerodiff value:
+    column 0 of the gathered layout (``num_logprobs >= 0``), or the sampled column of the full
+    ``[T, V]`` tensor (``num_logprobs == -1``). Top-k alternatives and ranks keep the stock values (not part
+    of the contract). Returns the same object."""
+    if logprobs_tensors is None or num_logprobs is None:
+        return logprobs_tensors
+    lp = sampled_token_logprobs(raw_logits, sampled)
+    t = logprobs_tensors.logprobs
+    if num_logprobs == -1:
+        t.scatter_(1, sampled.reshape(-1, 1).long(), lp.view(-1, 1))
+    else:
+        t[:, 0] = lp
+    return logprobs_tensors
