@@ -205,6 +205,12 @@ def test_triton_edge_cases(seeded):
     big = torch.randn(40, 6, generator=g)
     _check_triton(big.t(), 9, None, 16)
     _check_triton(big[::2].t()[:, ::3], 4, None, 16)
+    # whatever lies past a row's length (+inf, NaN, huge) never matters, at lengths off the 16 grid
+    t = torch.randn(3, 100, generator=g)
+    t[0, 37:] = float("inf")
+    t[1, 50:] = float("nan")
+    t[2, 3:] = 3e38
+    _check_triton(t, 8, torch.tensor([37, 50, 3], dtype=torch.int32), 32)
     # a row that is all ties at a radix boundary: 0x..FF / 0x..00 low bytes
     b = torch.tensor([0x3F800000, 0x3F8000FF, 0x3F800100, 0x3F80FF00] * 8, dtype=torch.int32)
     b = b.view(torch.float32)[None].clone()

@@ -29,7 +29,8 @@ candidates that still match the prefix) per fixed-size chunk of the row. Ties at
 resolved by position while emitting: the row is scanned from its right end chunk by chunk and suffix
 counts (``tl.cumsum``) give each selected element its output slot, which yields the descending-position
 order without any sort. Every loop prefetches its next chunk. Rows with ``length <= k`` skip the radix
-passes (everything valid is selected). Only ``min(length, W)`` columns are read.
+passes (everything valid is selected). Columns past a row's length never influence it
+(at most 15 of them are read, never past W).
 
 Bad input raises ValueError naming the problem (see the reference). Dtype/shape/k are always checked on
 the host (no sync). ``lengths`` VALUES (0 <= L <= W) are checked for CPU tensors, and for CUDA tensors only
@@ -56,15 +57,15 @@ if zt.HAVE_TRITON:
     @triton.jit
     def _row_keys(x, inb):
         """Order-preserving uint32 keys of fp32 values and the candidate mask (in bounds and not NaN)."""
-        u = x.to(tl.uint32, bitcast=True)
-        u = tl.where(u == 0x80000000, 0, u)  # -0.0 -> +0.0
-        cand = inb & ((u & 0x7FFFFFFF) <= 0x7F800000)
-        neg = (u >> 31) == 1
-        m = tl.where(neg, u ^ 0xFFFFFFFF, u | 0x80000000)
+        i = x.to(tl.int32, bitcast=True)
+        i = tl.where(i == -2147483648, 0, i)  # -0.0 (0x80000000) -> +0.0
+        cand = inb & ((i & 0x7FFFFFFF) <= 0x7F800000)  # not NaN
+        flip = (i >> 31) | -2147483648  # arithmetic shift: all ones if negative, else the sign bit
+        m = (i ^ flip).to(tl.uint32, bitcast=True)  # ~u for negatives, u | 0x80000000 otherwise
         return m, cand
 
     @triton.jit
-    def _topk_kernel(s_ptr, len_ptr, out_ptr, osc_ptr, W, k, stride_r, stride_c,
+    def _topk_kernel(s_ptr, len_ptr, out_ptr, osc_ptr, W, k, stride_r,
                      HAS_LEN: tl.constexpr, RET_SCORES: tl.constexpr, CHUNK: tl.constexpr,
                      DIGIT: tl.constexpr, NPASS: tl.constexpr, HIST_MASK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -75,6 +76,9 @@ if zt.HAVE_TRITON:
             L = W + tl.zeros([], tl.int32)
         srow = s_ptr + row * stride_r
         n_chunks = tl.cdiv(L, CHUNK)
+        # loads stop at L rounded up to 16 (never past W), so whole 16-column groups share one mask and
+        # can be vectorised; columns in [L, LR) are read but masked out of the candidates
+        LR = tl.minimum(tl.cdiv(L, 16) * 16, W)
         ar = tl.arange(0, CHUNK)
         NB: tl.constexpr = 1 << DIGIT
         bins = tl.arange(0, NB)
@@ -91,13 +95,13 @@ if zt.HAVE_TRITON:
             if done == 0:
                 h = tl.zeros([NB], tl.int32)
                 n_in = tl.zeros([], tl.int32)
-                x_next = tl.load(srow + ar.to(tl.int64) * stride_c, mask=ar < L, other=0.0)
+                x_next = tl.load(srow + ar, mask=ar < LR, other=0.0)
                 for c in range(0, n_chunks):
                     offs = c * CHUNK + ar
                     inb = offs < L
                     x = x_next
                     nxt = offs + CHUNK  # prefetch the next chunk while this one is counted
-                    x_next = tl.load(srow + nxt.to(tl.int64) * stride_c, mask=nxt < L, other=0.0)
+                    x_next = tl.load(srow + nxt, mask=nxt < LR, other=0.0)
                     m, cand = _row_keys(x, inb)
                     if p > 0:
                         cand = cand & ((m >> ((NPASS - p) * DIGIT)) == prefix)
@@ -106,8 +110,11 @@ if zt.HAVE_TRITON:
                         h += tl.histogram(b, NB, mask=cand)
                     else:
                         h += tl.histogram(tl.where(cand, b, 0), NB)
-                    n_in += tl.sum(cand.to(tl.int32), axis=0)
-                if not HIST_MASK:  # excluded lanes were counted in bin 0: take them out
+                    if not HIST_MASK:
+                        n_in += tl.sum(cand.to(tl.int32), axis=0)
+                if HIST_MASK:
+                    n_in = tl.sum(h, axis=0)
+                else:  # excluded lanes were counted in bin 0: take them out
                     h = h - tl.where(bins == 0, n_chunks * CHUNK - n_in, 0)
                 incl = n_in - tl.cumsum(h, axis=0) + h  # candidates in bins >= b
                 j = tl.max(tl.where(incl >= kk, bins, -1), axis=0)
@@ -133,13 +140,13 @@ if zt.HAVE_TRITON:
         orow = out_ptr + row * k
         scrow = osc_ptr + row * k
         offs0 = c * CHUNK + ar
-        x_next = tl.load(srow + offs0.to(tl.int64) * stride_c, mask=(offs0 >= 0) & (offs0 < L), other=0.0)
+        x_next = tl.load(srow + offs0, mask=(offs0 >= 0) & (offs0 < LR), other=0.0)
         while (c >= 0) & (cnt < k):
             offs = c * CHUNK + ar
             inb = offs < L
             x = x_next
             prv = offs - CHUNK  # prefetch the chunk to the left
-            x_next = tl.load(srow + prv.to(tl.int64) * stride_c, mask=prv >= 0, other=0.0)
+            x_next = tl.load(srow + prv, mask=prv >= 0, other=0.0)
             m, cand = _row_keys(x, inb)
             is_tie = (cand & (m == T)).to(tl.int32)
             n_tie = tl.sum(is_tie, axis=0)
@@ -199,6 +206,8 @@ def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist
             f"(TRITON_INTERPRET={'1' if zt.INTERPRET else '0'}); use backend='reference' or CUDA tensors"
         )
     R, W = scores.shape
+    if W > 1 and scores.stride(1) != 1:
+        scores = scores.contiguous()  # the kernel reads unit-stride rows (any row stride)
     out = torch.empty((R, k), dtype=torch.int32, device=scores.device)
     osc = torch.empty((R, k), dtype=torch.float32, device=scores.device) if return_scores else out
     if R > 0:
@@ -216,7 +225,7 @@ def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist
         hmask = _HIST_MASK if hist_mask is None else (hist_mask and _HIST_MASK)
         lens = lengths.to(torch.int32).contiguous() if lengths is not None else out
         _topk_kernel[(R,)](
-            scores, lens, out, osc, W, k, scores.stride(0), scores.stride(1),
+            scores, lens, out, osc, W, k, scores.stride(0),
             HAS_LEN=lengths is not None, RET_SCORES=return_scores, CHUNK=CHUNK,
             DIGIT=DIGIT, NPASS=(32 + DIGIT - 1) // DIGIT, HIST_MASK=hmask,
             num_warps=warps, **zt.LAUNCH_OPTS,

@@ -3,7 +3,8 @@
 Contract (this file defines it; ``zerodiff.ops.topk`` must give the same bits):
 
 * Input: ``scores`` fp32 ``[R, W]``; ``lengths`` int32/int64 ``[R]`` or None (= W for every row). Only
-  positions ``p < lengths[r]`` of row ``r`` are candidates; nothing at or past the length is read.
+  positions ``p < lengths[r]`` of row ``r`` are candidates; scores at or past the length never influence
+  the result (whatever they hold).
   Positions are request-local column indices ``0 .. W-1``, never batch-global.
 * Key of a candidate (64 bits): ``(order_preserving(score_bits) << 32) | position`` where
   ``order_preserving`` maps the fp32 bit pattern ``u`` to an unsigned 32-bit value that sorts like the
