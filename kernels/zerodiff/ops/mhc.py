@@ -155,7 +155,7 @@ if zt.HAVE_TRITON:
     def _mhc_pre_epilogue_kernel(
         mix_ptr, sq_ptr, scale_ptr, base_ptr, res_ptr, li_ptr, post_ptr, comb_ptr,
         T, H, K, rms_eps, pre_eps, sk_eps, post_mult, ITERS,
-        S: tl.constexpr, NH: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr,
+        S, NH: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         NMIX: tl.constexpr = NH * (NH + 2)
@@ -168,9 +168,10 @@ if zt.HAVE_TRITON:
         pre_r = tl.load(mrow + n)
         post_r = tl.load(mrow + NH + n)
         comb_r = tl.load(mrow + 2 * NH + ii * NH + jj)
-        for s in tl.static_range(1, S):
-            ms = mrow + s * T * NMIX
-            sq = sq + tl.load(sq_ptr + s * T + row)
+        t64 = tl.zeros([], dtype=tl.int64) + T  # int64 split strides
+        for s in range(1, S):  # runtime loop: one compiled kernel for every split count
+            ms = mrow + s * t64 * NMIX
+            sq = sq + tl.load(sq_ptr + s * t64 + row)
             pre_r = pre_r + tl.load(ms + n)
             post_r = post_r + tl.load(ms + NH + n)
             comb_r = comb_r + tl.load(ms + 2 * NH + ii * NH + jj)
@@ -332,7 +333,7 @@ def pre_epilogue(mix: torch.Tensor, sq: torch.Tensor, residual: torch.Tensor, hc
         mix.contiguous(), sq.contiguous(), hc_scale.contiguous(), hc_base.contiguous(),
         residual.contiguous(), li, post, comb, T, H, n * H,
         float(rms_eps), float(hc_pre_eps), float(hc_sinkhorn_eps), float(hc_post_mult), int(sinkhorn_iters),
-        S=S, NH=n, BLOCK_H=_EPI_BLOCK_H, EXACT=zt.EXACT_CASTS, num_warps=_EPI_WARPS, **zt.LAUNCH_OPTS,
+        S, NH=n, BLOCK_H=_EPI_BLOCK_H, EXACT=zt.EXACT_CASTS, num_warps=_EPI_WARPS, **zt.LAUNCH_OPTS,
     )
     return li, post, comb
 
