@@ -5,6 +5,7 @@ include build/pins
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
+ZD := $(PY) -m zerodiff.cli
 PYTEST_ARGS ?=
 # a user's own checkouts (forks) instead of the pinned trees; passed to the scripts through the environment
 export VLLM_SRC MEGATRON_SRC VENV
@@ -43,8 +44,8 @@ summary: venv ## what is patched: patch names per side and the files they touch
 	@$(PY) build/patches.py summary
 
 e2e-check: venv ## the end-to-end consistency check (`zerodiff check`), when available
-	@if $(VENV)/bin/zerodiff check --help >/dev/null 2>&1; then \
-		echo "=== zerodiff check ==="; $(VENV)/bin/zerodiff check; \
+	@if $(ZD) check --help >/dev/null 2>&1; then \
+		echo "=== zerodiff check ==="; $(ZD) check; \
 	else \
 		echo "end-to-end check: not available yet (\`zerodiff check\` does not exist in this version)"; \
 	fi
@@ -53,7 +54,7 @@ kernels-from-wheel: venv ## FlashMLA + DeepGEMM out of vLLM's pinned wheel into 
 	@$(PY) build/wheel_kernels.py
 
 doctor: venv ## what this machine can run (torch, Triton, CUDA, backends, pins)
-	@$(VENV)/bin/zerodiff doctor
+	@$(ZD) doctor
 
 test: venv ## the test suite (CPU; tests marked gpu run when CUDA is present, skip otherwise)
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)

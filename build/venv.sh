@@ -52,15 +52,25 @@ else
     [[ -n "${TORCH_INDEX_URL:-}" ]] && extra=(--extra-index-url "$TORCH_INDEX_URL")
     pip_install "${extra[@]}" "torch==$TORCH_CPU_VERSION" "triton==$TRITON_CPU_VERSION"
 fi
-if ! "$PY" -c 'import numpy, pytest, setuptools_rust, setuptools_scm, wheel' 2>/dev/null; then
-    pip_install numpy pytest setuptools-rust setuptools-scm wheel
+if ! "$PY" -c 'import numpy, pytest' 2>/dev/null; then
+    pip_install numpy pytest
+fi
+# only `make sources` needs these (vLLM's setup.py imports them); an offline GPU box may lack them: warn, go on
+if ! "$PY" -c 'import setuptools_rust, setuptools_scm, wheel' 2>/dev/null; then
+    pip_install setuptools-rust setuptools-scm wheel || \
+        echo "venv: WARNING: could not install setuptools-rust/setuptools-scm/wheel: \`make sources\` cannot fetch vLLM here" >&2
 fi
 if ! "$PY" - "$ROOT" <<'PYEOF' 2>/dev/null
 import pathlib, sys, zerodiff
 sys.exit(0 if pathlib.Path(zerodiff.__file__).resolve().parents[2] == pathlib.Path(sys.argv[1]).resolve() else 1)
 PYEOF
 then
-    pip_install --no-build-isolation --no-deps -e "$ROOT"
+    if ! pip_install --no-build-isolation --no-deps -e "$ROOT"; then
+        # offline machine without a usable setuptools: a .pth file makes the package importable all the same
+        site="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+        echo "$ROOT/kernels" > "$site/zerodiff-checkout.pth"
+        echo "venv: WARNING: editable install failed; added $site/zerodiff-checkout.pth (use \`python -m zerodiff.cli\`)" >&2
+    fi
 fi
 "$PY" -c 'import torch, triton, numpy, pytest, zerodiff; print(f"venv: ready: torch {torch.__version__}, triton {triton.__version__}, zerodiff {zerodiff.__version__}")'
 echo "$want" > "$STAMP"
