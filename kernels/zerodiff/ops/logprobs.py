@@ -28,6 +28,7 @@ out-of-bounds read.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -101,6 +102,16 @@ if zt.HAVE_TRITON:
         tl.store(out_ptr + pid, lp)
 
 
+_NO_PIPELINE: set = set()
+
+
+def _stages_for(dtype: torch.dtype) -> int:
+    """Prefetch depth (a load schedule only). Falls back to 1 if this Triton failed to pipeline the loop."""
+    if dtype in _NO_PIPELINE:
+        return 1
+    return 3 if dtype == torch.bfloat16 else 2
+
+
 def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -162,10 +173,18 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature
     ids = token_ids if token_ids.stride(0) == 1 else token_ids.contiguous()
     scale = temp_tensor or float(temperature) != 1.0
     tptr = temperature.contiguous() if temp_tensor else out
-    _logprobs_kernel[(T,)](
-        logits, ids, tptr, out, V, logits.stride(0), 1.0 if temp_tensor else float(temperature),
-        SCALE=scale, TEMP_TENSOR=temp_tensor, IS_BF16=logits.dtype == torch.bfloat16,
-        CHUNK_=CHUNK, LOG2C=CHUNK.bit_length() - 1, EXACT=zt.EXACT_CASTS,
-        NUM_STAGES=3 if logits.dtype == torch.bfloat16 else 2,
-        num_warps=_NUM_WARPS, **zt.LAUNCH_OPTS)
+    args = (logits, ids, tptr, out, V, logits.stride(0), 1.0 if temp_tensor else float(temperature))
+    meta = dict(SCALE=scale, TEMP_TENSOR=temp_tensor, IS_BF16=logits.dtype == torch.bfloat16,
+                CHUNK_=CHUNK, LOG2C=CHUNK.bit_length() - 1, EXACT=zt.EXACT_CASTS,
+                num_warps=_NUM_WARPS, **zt.LAUNCH_OPTS)
+    stages = _stages_for(logits.dtype)
+    try:
+        _logprobs_kernel[(T,)](*args, NUM_STAGES=stages, **meta)
+    except Exception as ex:  # noqa: BLE001 - retried once without the prefetch; a real error fails again
+        if stages == 1:
+            raise
+        warnings.warn(f"token_logprobs: the pipelined kernel failed ({type(ex).__name__}: {str(ex)[:200]}); "
+                      "using the unpipelined one (same arithmetic, no prefetch)")
+        _NO_PIPELINE.add(logits.dtype)
+        _logprobs_kernel[(T,)](*args, NUM_STAGES=1, **meta)
     return out
