@@ -125,6 +125,18 @@ def test_triton_gather_equals_reference_and_is_row_invariant(seeded):
         assert torch.equal(one[0].view(torch.int16), a[r].view(torch.int16))
 
 
+def test_write_from_strided_latent_slices(seeded):
+    """vLLM hands the latent as slices of one [T, d_nope + d_rope] tensor: strided rows must work."""
+    g = seeded()
+    kv = (torch.randn(9, 144, generator=g) * 5).to(torch.bfloat16)
+    slots = torch.tensor([3, 0, 7, -1, 12, 15, 1, 2, 9])
+    a = kc.new_kv_cache(4, 4, **SMALL)
+    b = kc.new_kv_cache(4, 4, **SMALL)
+    kc.write_kv_cache(kv[:, :128], kv[:, 128:], a, slots, **SMALL, backend="triton")
+    ref.write_kv_cache_ref(kv[:, :128].contiguous(), kv[:, 128:].contiguous(), b, slots)
+    assert torch.equal(a, b)
+
+
 def test_workspace_indices():
     pos = torch.tensor([[5, 3, -1], [0, -1, -1]], dtype=torch.int32)
     assert kc.workspace_indices(pos).tolist() == [[0, 1, -1], [3, -1, -1]]
