@@ -231,3 +231,21 @@ def test_gpu_negative_control(seeded):
     print(f"stock log_softmax differs from ours in {diff:.2%} of rows; stock row 0 changes with T at "
           f"{varies} of {len(GPU_TS) - 1} sizes")
     assert diff > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_prefetch_does_not_change_bits(seeded, dtype):
+    """The chunk loop's cp.async prefetch (num_stages) is a load schedule only: same bits without it."""
+    from zerodiff.ops import logprobs as lp_mod
+
+    g = seeded()
+    x = torch.cat([_logits(g, 64, V_DSV4, dtype), adversarial(g, V_DSV4, dtype)]).cuda()
+    ids = torch.cat([torch.randint(0, V_DSV4, (64,), generator=g), adversarial_ids(V_DSV4, 7)]).cuda()
+    piped = token_logprobs(x, ids, temperature=0.8)
+    lp_mod._NO_PIPELINE.add(dtype)
+    try:
+        plain = token_logprobs(x, ids, temperature=0.8)
+    finally:
+        lp_mod._NO_PIPELINE.discard(dtype)
+    assert beq(piped, plain)
