@@ -395,3 +395,19 @@ def test_gpu_negative_control(seeded):
     fq = (_bits(q) != _bits(qs)).float().mean().item()
     print(f"two-roundings control: {frac:.3%} of bf16 values, {fq:.3%} of fp8 codes differ")
     assert frac > 0.05 and fq > 0.001
+
+
+@pytest.mark.gpu
+def test_gpu_same_codes_as_team_quant_act(seeded):
+    """Integration: ``quant_act(silu_mul(x))`` (two ops, as a caller might compose them) gives exactly the
+    fused op's codes and scales."""
+    try:
+        from zerodiff.ops.fp8_quant import quant_act
+    except Exception as ex:  # pragma: no cover - another engineer's module
+        pytest.skip(f"zerodiff.ops.fp8_quant.quant_act not importable: {ex}")
+    g = seeded()
+    x = torch.cat([_rand(g, (257, 2 * 2048)), adversarial_rows(g, 2048)], 0).cuda()
+    for ue8m0 in (False, True):
+        q, s = silu_mul_quant_fp8(x, clamp_limit=10.0, ue8m0=ue8m0)
+        q2, s2 = quant_act(silu_mul(x, clamp_limit=10.0), ue8m0=ue8m0)
+        assert beq(q, q2) and beq(s, s2)
