@@ -1,0 +1,262 @@
+"""``zerodiff check`` and ``zerodiff bench``: the end-to-end acceptance harness.
+
+``register(subparsers)`` adds both subcommands to the ``zerodiff`` CLI (``zerodiff.cli``); ``main(argv)``
+runs them standalone (``python -m zerodiff.e2e_cli check ...``).
+
+check
+    Runs N GRPO-style RL steps of the tiny DeepSeek-V4-shaped model (rollout -> diff check -> backward ->
+    AdamW on the masters -> in-place FP8 requantisation of the rollout's weights), prints one progress line
+    per step and a report table, writes JSON. Exit 0 only if EVERY step had diff exactly 0 (all of
+    ``training/rollout_probs_diff_max|mean|std`` and ``rollout_corr/k3_kl`` == 0.0 and no token's log-prob
+    differs bitwise). A step with diff != 0 stops the run and names the first diverging layer (exit 1).
+    ``--restore-at K`` saves a checkpoint after step K, restores it into a fresh run and continues there
+    (the steps after the restore are checked like the others). ``--baseline`` runs the NEGATIVE CONTROL
+    (stock kernels on both sides, frozen choice in ``zerodiff.model.ops.BASELINE_CHOICE``): it exits 0 only
+    if diff > 0 was observed (that is the expected outcome).
+bench
+    Rollout output tokens/s of the consistent mode vs the baseline mode on the same requests in one run
+    (weights fixed, no updates), with the per-step diff of each mode; JSON plus a PNG plot (matplotlib when
+    importable, otherwise the PNG is skipped with a message).
+
+On the CPU the harness pins torch to one intra-op thread (the reference backends run many small GEMMs;
+threads only add contention), restored afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def _device_name(dev) -> str:
+    if str(dev).startswith("cuda") and torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        return f"{p.name} (sm_{p.major}{p.minor})"
+    return "cpu"
+
+
+@contextlib.contextmanager
+def _cpu_threads(device):
+    old = torch.get_num_threads()
+    if str(device) == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, choices=["cpu", "h200"],
+                   help="model/rollout preset (default: h200 when CUDA is present, else cpu)")
+    p.add_argument("--seed", type=int, default=0, help="weights / prompts / schedule seed (default 0)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--json", dest="json_path", default=None, help="write the results to this JSON file")
+    p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+
+
+def register(subparsers) -> None:
+    c = subparsers.add_parser(
+        "check", help="run N RL steps and verify rollout/training log-probs are bit-identical (diff = 0)",
+        description="Run N GRPO-style RL steps of the tiny DeepSeek-V4-shaped model and verify, every step, that "
+        "the rollout engine and the training forward give bit-identical log-probs for every sampled token. "
+        "Exit status 0 only if every step had diff exactly 0; 1 otherwise (the first diverging layer is named). "
+        "With --baseline (negative control, stock kernels on both sides) the exit status is 0 only if diff > 0 "
+        "WAS observed, i.e. the check can see a difference.")
+    _common(c)
+    c.add_argument("--steps", type=int, default=3, help="RL steps (default 3)")
+    c.add_argument("--baseline", action="store_true",
+                   help="negative control: stock paths on both sides; exit 0 only if diff > 0 is observed")
+    c.add_argument("--restore-at", type=int, default=None, metavar="K",
+                   help="after step K save a checkpoint, restore it into a fresh run and continue from it")
+    c.add_argument("--save", default=None, help="save a checkpoint here at the end")
+    c.add_argument("--resume", default=None, help="start from this checkpoint")
+    c.set_defaults(func=cmd_check)
+    b = subparsers.add_parser(
+        "bench", help="rollout tokens/s, consistent vs baseline, same requests, one run (JSON + PNG)",
+        description="Rollout output tokens/s of the consistent mode vs the stock baseline on the same requests in "
+        "one run, plus the per-step diff of each mode. Writes JSON and a PNG plot (if matplotlib is importable).")
+    _common(b)
+    b.add_argument("--steps", type=int, default=3, help="steps (request sets) to time (default 3)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per mode (default 1)")
+    b.add_argument("--png", default=None, help="write the per-step throughput/diff plot here")
+    b.set_defaults(func=cmd_bench)
+
+
+def _log(args, msg):
+    if not args.quiet:
+        print(msg, flush=True)
+
+
+def cmd_check(args) -> int:
+    from .model.config import default_preset_name
+    from .rl.loop import DiffError, RLRun
+    from .rl.report import format_table
+
+    cfg_name = args.config or default_preset_name()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    mode = "baseline" if args.baseline else "consistent"
+    t0 = time.perf_counter()
+    reports, failure, restored_at = [], None, None
+    with _cpu_threads(device):
+        run = RLRun.load(args.resume, device) if args.resume else RLRun(cfg_name, args.seed, mode, device)
+        if args.resume:
+            _log(args, f"resumed {args.resume} at step {run.step}")
+        _log(args, f"zerodiff check: config={run.preset.name} mode={mode} device={_device_name(device)} "
+                   f"steps={args.steps} seed={run.seed}")
+        for i in range(args.steps):
+            try:
+                rep = run.run_step()
+            except DiffError as e:
+                failure = {"message": str(e), "report": e.report, "divergence": e.divergence}
+                if e.report:
+                    reports.append(e.report)
+                _log(args, str(e))
+                break
+            if restored_at is not None and rep["step"] == restored_at + 1:
+                rep["first_after_restore"] = True
+            reports.append(rep)
+            _log(args, f"[{i + 1}/{args.steps}] step {rep['step']}: tokens {rep['tokens']} differ "
+                       f"{rep['tokens_differ']} probs_diff_max {rep['training/rollout_probs_diff_max']:.3g} "
+                       f"k3 {rep['rollout_corr/k3_kl']:.3g} engine steps {rep['engine_steps']} "
+                       f"(mixed {rep['mixed_steps']}, decode {rep['decode_steps']}, graphs {rep['graph_steps']}) "
+                       f"batch sizes {rep['batch_sizes'][:6]}{'...' if len(rep['batch_sizes']) > 6 else ''} "
+                       f"reward {rep['reward_mean']:.3f} [{rep['rollout_s'] + rep['train_s']:.1f}s]"
+                       + (" (first step after restore)" if rep.get("first_after_restore") else ""))
+            if args.restore_at is not None and rep["step"] == args.restore_at and i + 1 < args.steps:
+                with tempfile.TemporaryDirectory() as d:
+                    path = os.path.join(d, "ckpt.pt")
+                    run.save(path)
+                    run = RLRun.load(path, device)
+                restored_at = rep["step"]
+                _log(args, f"checkpoint saved after step {restored_at} and restored into a fresh run")
+        if args.save:
+            run.save(args.save)
+    elapsed = time.perf_counter() - t0
+    ok_steps = [r for r in reports if r["bitwise_equal"]]
+    if args.baseline:
+        passed = any(not r["bitwise_equal"] for r in reports)
+    else:
+        passed = failure is None and len(ok_steps) == args.steps
+    print(format_table(reports))
+    from .model.ops import BASELINE_CHOICE, INTERIM_OPS
+
+    verdict = ("PASS" if passed else "FAIL")
+    what = "negative control: diff > 0 observed" if args.baseline and passed else \
+        "negative control: NO difference observed (the check cannot see a difference!)" if args.baseline else \
+        f"diff = 0 on {len(ok_steps)}/{args.steps} steps"
+    print(f"{verdict}: {what} ({elapsed:.1f} s)")
+    doc = {
+        "command": "check", "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": _device_name(device), "config": run.preset.name, "mode": mode, "seed": run.seed,
+        "steps": args.steps, "passed": passed, "elapsed_s": round(elapsed, 2), "restore_at": args.restore_at,
+        "torch": torch.__version__, "reports": reports, "failure": failure,
+        "interim_ops": list(INTERIM_OPS), "baseline_choice": BASELINE_CHOICE if args.baseline else None,
+    }
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+    return 0 if passed else 1
+
+
+def cmd_bench(args) -> int:
+    from .model.config import default_preset_name
+    from .rl.loop import RLRun
+    from .rl.report import diff_report
+
+    cfg_name = args.config or default_preset_name()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = str(device).startswith("cuda")
+    rows = []
+    with _cpu_threads(device):
+        runs = {m: RLRun(cfg_name, args.seed, m, device) for m in ("consistent", "baseline")}
+
+        def timed(run, s):
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            reqs, out = run.rollout(s)
+            if cuda:
+                torch.cuda.synchronize()
+            return out, time.perf_counter() - t
+
+        for s in range(-args.warmup, args.steps):
+            row = {"step": s}
+            for m, run in runs.items():
+                out, dt = timed(run, max(s, 0) + 1000 * (s < 0))
+                ntok = sum(len(o.response) for o in out.values())
+                row[f"{m}_tok_per_s"] = ntok / dt
+                row[f"{m}_s"] = dt
+                row["tokens"] = ntok
+                row[f"{m}_engine_steps"] = run.engine.stats["steps"]
+                if s >= 0:
+                    seqs = [(k, o.prompt, o.response) for k, o in sorted(out.items())]
+                    lp_t = run.trainer.run(seqs, pack_seed=s + 17, grad=False)
+                    rep = diff_report({k: o.logprobs for k, o in out.items()}, lp_t)
+                    row[f"{m}_probs_diff_max"] = rep["training/rollout_probs_diff_max"]
+                    row[f"{m}_tokens_differ"] = rep["tokens_differ"]
+            if s >= 0:
+                row["ratio"] = row["consistent_tok_per_s"] / row["baseline_tok_per_s"]
+                rows.append(row)
+                _log(args, f"step {s}: consistent {row['consistent_tok_per_s']:.1f} tok/s, baseline "
+                           f"{row['baseline_tok_per_s']:.1f} tok/s, ratio {row['ratio']:.3f}; diff max consistent "
+                           f"{row['consistent_probs_diff_max']:.3g} baseline {row['baseline_probs_diff_max']:.3g}")
+    tot = {m: sum(r["tokens"] for r in rows) / sum(r[f"{m}_s"] for r in rows) for m in ("consistent", "baseline")}
+    ratio = tot["consistent"] / tot["baseline"]
+    from .model.ops import BASELINE_CHOICE, INTERIM_OPS
+
+    print(f"rollout output tokens/s: consistent {tot['consistent']:.1f}, baseline {tot['baseline']:.1f}, "
+          f"ratio {ratio:.3f} ({'CPU reference backends: not a performance number' if not cuda else _device_name(device)})")
+    doc = {
+        "command": "bench", "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": _device_name(device), "config": cfg_name, "seed": args.seed, "rows": rows,
+        "consistent_tok_per_s": tot["consistent"], "baseline_tok_per_s": tot["baseline"], "ratio": ratio,
+        "baseline_choice": BASELINE_CHOICE, "interim_ops": list(INTERIM_OPS), "torch": torch.__version__,
+    }
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.png:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except Exception as e:  # pragma: no cover - depends on the machine
+            print(f"PNG skipped: matplotlib is not importable here ({type(e).__name__}: {e})")
+        else:
+            fig, ax = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+            xs = [r["step"] for r in rows]
+            for m in ("consistent", "baseline"):
+                ax[0].plot(xs, [r[f"{m}_tok_per_s"] for r in rows], marker="o", label=m)
+                ax[1].plot(xs, [r[f"{m}_probs_diff_max"] for r in rows], marker="o", label=m)
+            ax[0].set_ylabel("rollout output tok/s")
+            ax[0].legend()
+            ax[0].set_title(f"zerodiff bench ({cfg_name}, {_device_name(device)}): ratio {ratio:.3f}")
+            ax[1].set_ylabel("probs diff max")
+            ax[1].set_xlabel("step")
+            ax[1].legend()
+            fig.tight_layout()
+            fig.savefig(args.png)
+            print(f"wrote {args.png}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="zerodiff")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    register(sub)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
