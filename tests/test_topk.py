@@ -12,6 +12,12 @@ from zerodiff.ops.topk import _topk_triton, deterministic_topk, topk_routing
 from zerodiff.reference.topk import deterministic_topk_ref, order_preserving_bits
 
 needs_triton = pytest.mark.skipif(not zt.HAVE_TRITON, reason="triton not installed")
+# the Triton tests run through the interpreter on CPU tensors here, and natively where CUDA is present
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dev(t):
+    return None if t is None else t.to(DEV)
 NAN_BITS = [0x7FC00000, -0x400000, 0x7F800001, -0x7FFFFF]  # +qNaN, -qNaN, +sNaN payload, -NaN payload
 
 
@@ -166,12 +172,14 @@ def test_negative_control_torch_topk():
 # Triton kernel through the interpreter (small shapes), bitwise equal to the reference
 # ---------------------------------------------------------------------------------------------------
 def _check_triton(s, k, lengths, chunk=None, digit=None, hist_mask=None):
+    if DEV == "cuda" and chunk is not None:
+        chunk = max(chunk, 32)  # at least one warp's worth of lanes per chunk on the GPU
     kw = dict(chunk=chunk, digit=digit, hist_mask=hist_mask)
-    pos, sc = _topk_triton(s, k, lengths, True, **kw)
+    pos, sc = _topk_triton(_dev(s), k, _dev(lengths), True, **kw)
     rpos, rsc = deterministic_topk_ref(s, k, lengths, return_scores=True)
     assert torch.equal(pos.cpu(), rpos.cpu()), f"positions differ (k={k}, {kw})"
     assert bits_equal(sc.cpu(), rsc.cpu()), f"scores differ (k={k}, {kw})"
-    only = _topk_triton(s, k, lengths, False, **kw)
+    only = _topk_triton(_dev(s), k, _dev(lengths), False, **kw)
     assert torch.equal(only.cpu(), rpos.cpu())
 
 
@@ -226,9 +234,9 @@ def test_triton_routing_shape(seeded):
     logits[1] = torch.round(logits[1])  # heavy ties between experts
     logits[2, 100:] = logits[2, 0]  # a plateau that straddles the top-8 boundary
     logits[3] = torch.sigmoid(logits[3] * 40)  # saturated sigmoid scores: many exact 1.0 ties
-    sc, ids = topk_routing(logits, 8, backend="triton")
+    sc, ids = topk_routing(_dev(logits), 8, backend="triton")
     rids, rsc = deterministic_topk_ref(logits, 8, return_scores=True)
-    assert torch.equal(ids, rids) and bits_equal(sc, rsc)
+    assert torch.equal(ids.cpu(), rids) and bits_equal(sc.cpu(), rsc)
     assert torch.equal(topk_routing(logits, 8, backend="reference")[1], rids)
 
 
@@ -239,14 +247,15 @@ def test_triton_victim_in_batch(seeded):
     W, k = 96, 24
     victim = adversarial_rows(W, g)[4]  # quantised scores with +-inf: ties at the k boundary
     vlen = 90
-    alone = _topk_triton(victim[None], k, torch.tensor([vlen], dtype=torch.int32), False, chunk=32)
+    alone = _topk_triton(_dev(victim[None]), k, _dev(torch.tensor([vlen], dtype=torch.int32)), False,
+                         chunk=32).cpu()
     assert torch.equal(alone, deterministic_topk_ref(victim[None], k, torch.tensor([vlen])))
     for B in (2, 3, 5):
         for slot in sorted({0, B // 2, B - 1}):
             fill = torch.round(torch.randn(B, W, generator=g) * 2) / 2
             L = torch.randint(0, W + 1, (B,), generator=g, dtype=torch.int32)
             fill[slot], L[slot] = victim, vlen
-            got = _topk_triton(fill, k, L, False, chunk=32)
+            got = _topk_triton(_dev(fill), k, _dev(L), False, chunk=32).cpu()
             assert torch.equal(got[slot], alone[0]), f"victim changed at B={B} slot={slot}"
 
 
@@ -337,8 +346,10 @@ def test_gpu_lengths_checks_and_clamp(seeded):
     g = seeded()
     s = torch.randn(2, 4096, generator=g).cuda()
     bad = torch.tensor([5000, -3], dtype=torch.int32).cuda()
-    with pytest.raises(ValueError, match="exceeds"):
+    with pytest.raises(ValueError, match="negative length"):
         deterministic_topk(s, 16, bad, check_lengths=True)
+    with pytest.raises(ValueError, match="exceeds"):
+        deterministic_topk(s, 16, bad.abs(), check_lengths=True)
     # without the (syncing) check, lengths are clamped to [0, W]: never an out-of-bounds read
     got = deterministic_topk(s, 16, bad)
     ref = deterministic_topk_ref(s.cpu(), 16, torch.tensor([4096, 0], dtype=torch.int32))

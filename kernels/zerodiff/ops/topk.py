@@ -218,6 +218,7 @@ def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist
             if chunk < 16 or chunk & (chunk - 1):
                 raise ValueError(f"deterministic_topk: chunk={chunk} must be a power of two >= 16")
             CHUNK = chunk
+            warps = max(1, min(warps, CHUNK // 32))  # no replicated lanes in the histogram
         if digit is not None:
             if digit not in (8, 11):
                 raise ValueError(f"deterministic_topk: digit={digit} must be 8 or 11")
