@@ -183,8 +183,10 @@ def test_errors(seeded):
     ex = _experts(g, 2)
     x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
     w, ids = _routing(g, 3, 2, 2)
-    with pytest.raises(ValueError, match="deepgemm"):
+    with pytest.raises(RuntimeError, match="deepgemm"):  # fail closed: no CUDA/DeepGEMM here
         moe.moe_experts(x, w, ids, ex, backend="deepgemm")
+    ok, why = moe.deepgemm_grouped_verdict(256, 256, "cpu")
+    assert not ok and why
     with pytest.raises(ValueError, match="bf16"):
         moe.moe_experts(x.float(), w, ids, ex)
     with pytest.raises(ValueError, match="weights"):
@@ -287,3 +289,31 @@ def test_gpu_negative_control_stock_moe():
             differs = True
             break
     assert differs, "stock MoE composition was batch-invariant here: the victim test would prove nothing"
+
+
+@pytest.mark.gpu
+def test_gpu_moe_deepgemm_backend_verified_or_refused():
+    from zerodiff import backends
+
+    if backends.deep_gemm() is None:
+        pytest.skip(f"DeepGEMM unavailable: {backends.status()['deepgemm']['detail']}")
+    E, H, I, k = 16, 4096, 2048, 4
+    g = torch.Generator(device="cuda")
+    g.manual_seed(8)
+    ex = moe.MoEWeights.from_master((torch.randn(E, 2 * I, H, generator=g, device="cuda") * 0.02).to(torch.bfloat16),
+                                    (torch.randn(E, H, I, generator=g, device="cuda") * 0.02).to(torch.bfloat16))
+    pool = torch.randn(1001, H, generator=g, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(1001, E, generator=g, device="cuda")
+    ok1, why1 = moe.deepgemm_grouped_verdict(2 * I, H, "cuda")
+    ok2, why2 = moe.deepgemm_grouped_verdict(H, I, "cuda")
+    w, ids = moe.route(logits, k)
+    if not (ok1 and ok2):
+        with pytest.raises(RuntimeError, match="refused"):
+            moe.moe_experts(pool[:4], w[:4], ids[:4], ex, backend="deepgemm")
+        pytest.skip(f"DeepGEMM grouped kernels not verified: {why1} / {why2} (refusal verified)")
+    alone = moe.moe_experts(pool[-1:], w[-1:], ids[-1:], ex, layout="masked", capacity=1, backend="deepgemm")
+    for M in (2, 17, 33, 128, 1000):
+        idx = torch.cat([torch.arange(M - 1, device="cuda"), torch.tensor([1000], device="cuda")])
+        for layout in ("contiguous", "masked"):
+            o = moe.moe_experts(pool[idx], w[idx], ids[idx], ex, layout=layout, capacity=M, backend="deepgemm")
+            assert torch.equal(o[-1:], alone), (M, layout)

@@ -16,6 +16,7 @@ Public API::
     plan_dispatch(ids, num_experts, *, layout, capacity=None) -> DispatchPlan   (index maps; also for tests)
     combine(y, dest, weights, *, backend=None) -> fp32 [T, H]
     ALIGN  (= 64: contiguous-layout alignment and GEMM row-tile height; a static constant, never from M)
+    DG_ALIGN (= 128), deepgemm_grouped_verdict(N, K, device, ue8m0=False) -> (ok, detail)   (backend="deepgemm")
 
 Routing contract (``route``):
 
@@ -62,8 +63,12 @@ Layouts (seed 4.4):
   CUDA-graph-safe setting.
 
 Backends: ``None`` (Triton on CUDA, reference GEMMs/activation on CPU), ``"triton"``, ``"reference"``.
-``"deepgemm"`` is refused: DeepGEMM's grouped contiguous/masked kernels pick tiles from the expected M and
-have not been verified row- and layout-invariant (see docs/kernels-gemm.md).
+``"deepgemm"`` (``moe_experts`` only): DeepGEMM ``m_grouped_fp8_gemm_nt_contiguous`` / ``_masked`` with
+contiguous segments aligned to :data:`DG_ALIGN` (128) and ``expected_m`` = the padded capacity (static),
+allowed only after :func:`deepgemm_grouped_verdict` verified, for both expert GEMM shapes, that a row's value
+is bitwise the same alone, among other tokens, at other expert loads and ranks, and in both layouts;
+otherwise it raises ``RuntimeError`` (fail closed). Its values differ from the Triton path's: both RL sides
+must use the same backend. Never the default.
 """
 
 from __future__ import annotations
@@ -264,12 +269,15 @@ class DispatchPlan:
     rows: int
     dump: int
     cap_pad: int = 0
+    align: int = ALIGN
 
 
 def plan_dispatch(ids: torch.Tensor, num_experts: int, *, layout: str = "contiguous", capacity=None,
-                  validate: bool = False) -> DispatchPlan:
+                  validate: bool = False, align: int = ALIGN) -> DispatchPlan:
     """Where each (token, slot) row goes in the packed buffer. Device ops only (no host sync) except the
     masked-layout overflow check when ``capacity < T`` and ``validate=True`` checks."""
+    if align % ALIGN:
+        raise ValueError(f"zerodiff.moe: align={align} must be a multiple of ALIGN={ALIGN}")
     if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"zerodiff.moe: ids must be int32 [T, k], got {ids.dtype} {tuple(ids.shape)}")
     T, k = ids.shape
@@ -295,11 +303,11 @@ def plan_dispatch(ids: torch.Tensor, num_experts: int, *, layout: str = "contigu
     rank[order] = rank_sorted
     counts = counts64[:E]
     if layout == "contiguous":
-        padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+        padded = (counts + align - 1) // align * align
         seg_end = torch.cumsum(padded, 0)
         seg_start = seg_end - padded
-        rows = T * k + min(E, T * k) * (ALIGN - 1)
-        rows = (rows + ALIGN - 1) // ALIGN * ALIGN
+        rows = T * k + min(E, T * k) * (align - 1)
+        rows = (rows + align - 1) // align * align
         dest = seg_start[key.clamp(max=E - 1)] + rank
         n_tiles = rows // ALIGN
         tile_start = torch.arange(n_tiles, device=dev, dtype=torch.int64) * ALIGN
@@ -316,7 +324,7 @@ def plan_dispatch(ids: torch.Tensor, num_experts: int, *, layout: str = "contigu
                 e_bad = int(torch.argmax(counts))
                 raise ValueError(f"zerodiff.moe: masked layout overflow: expert {e_bad} receives {cmax} rows but "
                                  f"capacity={capacity}; raise capacity (capacity >= T={T} can never overflow)")
-        cap_pad = (capacity + ALIGN - 1) // ALIGN * ALIGN
+        cap_pad = (capacity + align - 1) // align * align
         rows = E * cap_pad
         dest = key.clamp(max=E - 1) * cap_pad + rank
         tpe = cap_pad // ALIGN
@@ -327,7 +335,20 @@ def plan_dispatch(ids: torch.Tensor, num_experts: int, *, layout: str = "contigu
     else:
         raise ValueError(f"zerodiff.moe: layout={layout!r} unknown (use 'contiguous' or 'masked')")
     dest = torch.where(valid, dest, torch.full_like(dest, rows)).reshape(T, k)
-    return DispatchPlan(layout, dest, counts.to(torch.int32), tile_expert, rows, rows, cap_pad)
+    return DispatchPlan(layout, dest, counts.to(torch.int32), tile_expert, rows, rows, cap_pad, align)
+
+
+def _row_expert(plan: DispatchPlan) -> torch.Tensor:
+    """Per-row expert id of a contiguous plan (-1 on padding rows): DeepGEMM's ``grouped_layout``."""
+    dev = plan.counts.device
+    counts = plan.counts.to(torch.int64)
+    padded = (counts + plan.align - 1) // plan.align * plan.align
+    seg_end = torch.cumsum(padded, 0)
+    r = torch.arange(plan.rows, device=dev, dtype=torch.int64)
+    e = torch.searchsorted(seg_end, r, right=True)
+    ec = e.clamp(max=counts.shape[0] - 1)
+    ok = (e < counts.shape[0]) & (r - (seg_end[ec] - padded[ec]) < counts[ec])
+    return torch.where(ok, e, torch.full_like(e, -1)).to(torch.int32)
 
 
 def combine(y: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor, *, backend=None) -> torch.Tensor:
@@ -375,6 +396,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     if weights.shape != ids.shape or weights.dtype != torch.float32 or ids.shape[0] != T:
         raise ValueError(f"zerodiff.moe: weights must be fp32 with the shape of ids [T={T}, k], got "
                          f"{weights.dtype} {tuple(weights.shape)} and ids {tuple(ids.shape)}")
+    if backend == "deepgemm":
+        return _moe_experts_deepgemm(x, weights, ids, experts, layout, capacity, clamp_limit, validate)
     use_triton = _use_triton(backend, x, "moe_experts")
     gbe = "triton" if use_triton else "reference"
     E = experts.num_experts
@@ -402,6 +425,142 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     _g.grouped_fp8_gemm(hq, hs, experts.w2.q, experts.w2.scale, plan.tile_expert, backend=gbe, out=y[: plan.rows])
     w = torch.where(ids >= 0, weights, torch.zeros((), dtype=weights.dtype, device=dev))
     return combine(y, plan.dest, w, backend=gbe)
+
+
+# ------------------------------------------------------------------------------------------------ DeepGEMM
+#: contiguous-layout alignment used with DeepGEMM's grouped kernels (SM90 DeepGEMM packs 128-row segments)
+DG_ALIGN = 128
+_DG_VERDICTS: dict = {}
+
+
+def _dg_grouped(dg, a_q, a_s, w: Fp8Weight, plan: DispatchPlan, out):
+    if plan.layout == "contiguous":
+        dg.m_grouped_fp8_gemm_nt_contiguous((a_q, a_s), (w.q, w.scale), out, _row_expert(plan),
+                                            disable_ue8m0_cast=not w.ue8m0)
+    else:
+        E, C = w.q.shape[0], plan.cap_pad
+        dg.m_grouped_fp8_gemm_nt_masked((a_q.view(E, C, -1), a_s.view(E, C, -1)), (w.q, w.scale),
+                                        out.view(E, C, -1), plan.counts, C, disable_ue8m0_cast=not w.ue8m0)
+    return out
+
+
+def _dg_one_gemm(dg, xq, xs, ids, w: Fp8Weight, layout, capacity):
+    """Dispatch FP8 rows by ``ids`` (k=1), run the DeepGEMM grouped kernel, return the rows per token."""
+    plan = plan_dispatch(ids, w.q.shape[0], layout=layout, capacity=capacity, align=DG_ALIGN)
+    K = xq.shape[1]
+    a = torch.zeros((plan.rows + 1, K), dtype=torch.uint8, device=xq.device)
+    a_s = torch.zeros((plan.rows + 1, xs.shape[1]), dtype=torch.float32, device=xq.device)
+    d = plan.dest.reshape(-1)
+    a[d] = xq.view(torch.uint8)
+    a_s[d] = xs
+    out = torch.empty((plan.rows, w.q.shape[1]), dtype=torch.bfloat16, device=xq.device)
+    _dg_grouped(dg, a[: plan.rows].view(torch.float8_e4m3fn), a_s[: plan.rows].contiguous(), w, plan, out)
+    return out[plan.dest[:, 0].clamp(max=plan.rows - 1)]
+
+
+def deepgemm_grouped_verdict(N: int, K: int, device, ue8m0: bool = False) -> tuple[bool, str]:
+    """Probe DeepGEMM's grouped FP8 kernels (contiguous and masked) at (N, K); cached per (N, K, device, ue8m0).
+
+    Two victim tokens routed to expert 1 of 4 are computed alone (masked, capacity 128) and then among
+    filler tokens with expert-1 loads 1, 2, 17, 33, 65, 128, 300, 1000 (other experts random), at ranks
+    0, load//2 and load-1, in both layouts (masked capacities: the load rounded up to 128, and +256).
+    Every victim row must be bitwise equal to its alone value."""
+    from .. import backends
+
+    device = _g._norm_device(device)
+    key = (int(N), int(K), str(device), bool(ue8m0))
+    if key in _DG_VERDICTS:
+        return _DG_VERDICTS[key]
+    dg = backends.deep_gemm()
+    if dg is None:
+        return False, f"DeepGEMM not importable: {backends.status()['deepgemm']['detail']}"
+    if device.type != "cuda":
+        return False, f"DeepGEMM needs a CUDA device, got {device}"
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("zerodiff.moe: the DeepGEMM grouped probe cannot run inside CUDA graph capture; call "
+                           "moe.deepgemm_grouped_verdict for the expert shapes at model load")
+    verdict = _probe_grouped(dg, N, K, device, ue8m0)
+    _DG_VERDICTS[key] = verdict
+    return verdict
+
+
+def _probe_grouped(dg, N, K, device, ue8m0):
+    try:
+        E = 4
+        g = torch.Generator(device=device)
+        g.manual_seed(77 + N + 3 * K)
+        w = Fp8Weight.from_master((torch.randn((E, N, K), generator=g, device=device) * 0.05).to(torch.bfloat16),
+                                  ue8m0=ue8m0, backend="triton")
+        v = (torch.randn((2, K), generator=g, device=device) * 2).to(torch.bfloat16)
+        vq, vs = quant_act(v, ue8m0=ue8m0, backend="triton")
+        one = torch.ones((1, 1), dtype=torch.int32, device=device)
+        alone = [_dg_one_gemm(dg, vq[i : i + 1], vs[i : i + 1], one, w, "masked", 128).clone() for i in range(2)]
+        for load in (1, 2, 17, 33, 65, 128, 300, 1000):
+            others = torch.randint(0, 200, (E,), generator=g, device=device).tolist()
+            for p in sorted({0, load // 2, load - 1}):
+                vi = (p // 2) % 2  # alternate victims
+                ids_l = []
+                for e in range(E):
+                    ids_l += [e] * (load if e == 1 else others[e])
+                T = len(ids_l)
+                ids = torch.tensor(ids_l, dtype=torch.int32, device=device).view(T, 1)
+                x = (torch.randn((T, K), generator=g, device=device) * 3).to(torch.bfloat16)
+                xq, xs = quant_act(x, ue8m0=ue8m0, backend="triton")
+                t_v = sum(others[e] for e in range(1)) + p  # token index of expert 1's p-th row
+                xq.view(torch.uint8)[t_v] = vq.view(torch.uint8)[vi]
+                xs[t_v] = vs[vi]
+                mx = max(load, max(others))
+                cap = (mx + 127) // 128 * 128
+                for layout, capacity in (("contiguous", None), ("masked", cap), ("masked", cap + 256)):
+                    o = _dg_one_gemm(dg, xq, xs, ids, w, layout, capacity)
+                    if not torch.equal(o[t_v : t_v + 1], alone[vi]):
+                        nd = int((o[t_v] != alone[vi][0]).sum())
+                        return False, (f"{layout} (capacity={capacity}) expert load {load}, rank {p}: victim row differs "
+                                       f"from its value alone in {nd} of {N} outputs")
+        torch.cuda.synchronize(device)
+    except Exception as ex:
+        return False, f"DeepGEMM grouped kernels failed on the probe: {type(ex).__name__}: {ex}"
+    return True, "verified: victim rows equal alone, masked and contiguous, loads 1..1000, 3 ranks"
+
+
+def _moe_experts_deepgemm(x, weights, ids, experts, layout, capacity, clamp_limit, validate):
+    from .. import backends
+    from . import silu_mul_quant as smq
+
+    I2, H = experts.w13.q.shape[1:]
+    ue8m0 = experts.w13.ue8m0
+    for (N, K) in ((I2, H), (H, I2 // 2)):
+        ok, why = deepgemm_grouped_verdict(N, K, x.device, ue8m0)
+        if not ok:
+            raise RuntimeError(f"zerodiff.moe: backend='deepgemm' refused for the expert GEMM (N={N}, K={K}) on "
+                               f"{x.device}: {why}. Use backend='triton' on both RL sides.")
+    dg = backends.deep_gemm()
+    T = x.shape[0]
+    k = ids.shape[1]
+    dev = x.device
+    plan = plan_dispatch(ids, experts.num_experts, layout=layout, capacity=capacity, validate=validate,
+                         align=DG_ALIGN)
+    xq, xs = quant_act(x, ue8m0=ue8m0, backend="triton")
+    tok = torch.arange(T, device=dev).repeat_interleave(k)
+    a = torch.zeros((plan.rows + 1, H), dtype=torch.uint8, device=dev)
+    a_s = torch.zeros((plan.rows + 1, xs.shape[1]), dtype=torch.float32, device=dev)
+    d = plan.dest.reshape(-1)
+    a[d] = xq.view(torch.uint8)[tok]
+    a_s[d] = xs[tok]
+    h = torch.empty((plan.rows, I2), dtype=torch.bfloat16, device=dev)
+    _dg_grouped(dg, a[: plan.rows].view(torch.float8_e4m3fn), a_s[: plan.rows].contiguous(), experts.w13, plan, h)
+    if layout == "masked":
+        E = experts.num_experts
+        hq, hs = smq.silu_mul_quant_fp8_masked(h.view(E, plan.cap_pad, I2), plan.counts, clamp_limit=clamp_limit,
+                                               ue8m0=ue8m0, backend="triton")
+        hq, hs = hq.view(plan.rows, -1), hs.view(plan.rows, -1)
+    else:
+        hq, hs = smq.silu_mul_quant_fp8(h, clamp_limit=clamp_limit, ue8m0=ue8m0, backend="triton")
+    y = torch.empty((plan.rows + 1, H), dtype=torch.bfloat16, device=dev)
+    y[plan.rows].zero_()
+    _dg_grouped(dg, hq, hs.contiguous(), experts.w2, plan, y[: plan.rows])
+    w = torch.where(ids >= 0, weights, torch.zeros((), dtype=weights.dtype, device=dev))
+    return combine(y, plan.dest, w, backend="triton")
 
 
 def shared_expert(x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, *, clamp_limit=None, backend=None):
