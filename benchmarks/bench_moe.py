@@ -122,6 +122,18 @@ def main():
                 t = median_ms(lambda: ours(layout), rep=rep)
                 rows.append(row(f"moe[{layout}]", f"T={T} H={H} I={I} E={E} k={k}", t, t_stock,
                                 "torch.topk + same grouped FP8 GEMMs + bf16 silu*up + quant + bf16 index_add_", T=T))
+            if dg is not None and not args.quick:  # our DeepGEMM-grouped backend, only where its probe passed
+                ok = all(moe.deepgemm_grouped_verdict(N_, K_, "cuda")[0] for N_, K_ in ((2 * I, H), (H, I)))
+                if ok:
+                    for layout in (("contiguous", "masked") if T <= 256 else ("contiguous",)):
+                        t = median_ms(lambda: moe.moe_experts(x, *moe.route(logits, k), ex, layout=layout, capacity=T,
+                                                              backend="deepgemm"), rep=rep)
+                        rows.append(row(f"moe[{layout},deepgemm]", f"T={T} H={H} I={I} E={E} k={k}", t, t_stock,
+                                        "torch.topk + same grouped FP8 GEMMs + bf16 silu*up + quant + bf16 index_add_",
+                                        T=T))
+                elif T == Ts[0]:
+                    print("DeepGEMM grouped backend not verified:",
+                          [moe.deepgemm_grouped_verdict(N_, K_, "cuda") for N_, K_ in ((2 * I, H), (H, I))])
             if dg is not None:
                 rows += grouped_gemm_rows(ex, H, T, k, rep, dg)
     write(args.json, "moe", rows)
