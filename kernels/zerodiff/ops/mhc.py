@@ -115,8 +115,8 @@ if zt.HAVE_TRITON:
         k_end = tl.minimum(k_start + K_PER_SPLIT, K)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         sq = tl.zeros([BM], dtype=tl.float32)
-        for k0 in range(k_start, k_end, BK):
-            ks = k0 + tl.arange(0, BK)
+        for kb in range(0, K_PER_SPLIT // BK):  # blocks in increasing k (scalar bounds: interpreter-safe)
+            ks = k_start + kb * BK + tl.arange(0, BK)
             kmask = ks < k_end
             x = tl.load(x_ptr + rows[:, None] * K + ks[None, :],
                         mask=rmask[:, None] & kmask[None, :], other=0.0)
