@@ -23,6 +23,11 @@ Two entry points:
   the same values in the same order, so the same bits as "per_row" (tested), with far less traffic when
   many rows share a request; it synchronises with the host (data-dependent size), so not inside graphs.
 
+* ``sparse_mla_attention_fp8(q, cache, block_table, req_ids, positions, sm_scale, *, attn_sink=None, d_nope=512,
+  d_rope=64, seq_lens=None, check=True, out=None) -> (out, lse)``: the Triton fallback reading the FP8 cache
+  directly (no workspace), bit for bit ``sparse_mla_attention(..., backend="triton")``.
+* ``default_sm_scale(d_qk=576) -> float``: 1 / sqrt(d_qk).
+
 Backends for ``sparse_attention``: ``"flashmla"`` (``flash_mla_sparse_fwd`` via ``zerodiff.backends``,
 SM90/SM100), ``"triton"`` (our fallback), ``"reference"`` (float64 torch). ``None`` picks flashmla on a
 CUDA device where it imports and the shape is one it supports (d_qk 576 or 512, d_v 512, H in 64/128,
