@@ -1,6 +1,8 @@
 """Micro-benchmark: zerodiff deterministic Top-K vs stock ``torch.topk`` (the baseline for DSA and routing).
 
-    python benchmarks/bench_topk.py --json topk.json [--quick]
+    python benchmarks/bench_topk.py --json topk.json [--quick] [--sweep]
+
+(--sweep adds a few minutes: other CHUNK/DIGIT/num_warps configs of our kernel at width 64K, for tuning)
 
 DSA indexer rows: fp32 scores [rows, width], width 8K/16K/32K/64K, k=2048, every row full length.
 Expert routing: fp32 logits [tokens, 256], k=8, selected scores returned too.
@@ -21,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median_ms, parser, row, write  # noqa: E402
 
-from zerodiff.ops.topk import deterministic_topk, topk_routing  # noqa: E402
+from zerodiff.ops.topk import _config, _topk_triton, deterministic_topk, topk_routing  # noqa: E402
 
 
 def graph_ms(fn, rep: int) -> float | None:
@@ -53,7 +55,11 @@ def _graph_fields(ours_fn, stock_fn, rep: int) -> dict:
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--sweep", action="store_true",
+                   help="also time other (CHUNK, DIGIT, num_warps) configs of our kernel at width 64K, to tune "
+                        "_config (which must stay a function of the width only)")
+    args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_topk needs a CUDA device")
     torch.manual_seed(0)
@@ -102,6 +108,28 @@ def main() -> None:
         out.append(row("topk_routing", f"tokens={T} experts={E} k={kr}", t_ours, t_stock, "torch.topk",
                        phase=phase, target=1.3 if phase == "decode" else 1.1,
                        **_graph_fields(r_ours, r_stock, rep)))
+    if args.sweep:
+        W = 65536
+        for R in (1, 128, 4096):
+            s = torch.randn(R, W, device="cuda")
+            lens = torch.full((R,), W, dtype=torch.int32, device="cuda")
+            ref = deterministic_topk(s, k, lens)
+            t_stock = median_ms(lambda: torch.topk(s, k, dim=1), rep=rep)
+            for chunk in (1024, 2048, 4096, 8192):
+                for digit in (8, 11):
+                    for warps in (4, 8, 16):
+                        def f():
+                            return _topk_triton(s, k, lens, False, chunk=chunk, digit=digit, num_warps=warps)
+                        try:
+                            same = bool(torch.equal(f(), ref))
+                            t = median_ms(f, rep=max(10, rep // 2))
+                        except Exception as e:  # a config that does not compile/run is reported, not fatal
+                            print(f"  sweep chunk={chunk} digit={digit} warps={warps}: {type(e).__name__}: {e}")
+                            continue
+                        out.append(row("topk_dsa_sweep", f"rows={R} width={W} chunk={chunk} digit={digit} "
+                                       f"warps={warps}", t, t_stock, "torch.topk", equal_to_default=same,
+                                       default_config=str(_config(W))))
+            del s
     write(args.json, "topk", out)
 
 

@@ -198,7 +198,7 @@ def _hist_mask_supported() -> bool:
 _HIST_MASK = zt.HAVE_TRITON and _hist_mask_supported()
 
 
-def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist_mask=None):
+def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist_mask=None, num_warps=None):
     zt.require_triton()
     if not zt.triton_usable_for(scores.device):
         raise RuntimeError(
@@ -223,6 +223,8 @@ def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist
             if digit not in (8, 11):
                 raise ValueError(f"deterministic_topk: digit={digit} must be 8 or 11")
             DIGIT = digit
+        if num_warps is not None:  # benchmark sweeps only; production picks it from W in _config
+            warps = num_warps
         hmask = _HIST_MASK if hist_mask is None else (hist_mask and _HIST_MASK)
         lens = lengths.to(torch.int32).contiguous() if lengths is not None else out
         _topk_kernel[(R,)](

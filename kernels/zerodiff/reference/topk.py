@@ -32,7 +32,7 @@ import torch
 #: largest k the public API accepts (DSA uses 2048; the kernel itself has no structural limit).
 MAX_K = 65536
 #: largest row width (positions must fit in the 32 low bits and in int32 outputs).
-MAX_W = 2**31 - 1
+MAX_W = 2**30
 
 
 def check_inputs(scores: torch.Tensor, k, lengths: torch.Tensor | None, check_values: bool = True) -> None:
