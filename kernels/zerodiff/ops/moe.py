@@ -4,6 +4,7 @@ Public API::
 
     route(logits, k, *, scoring="softmax", bias=None, renormalize=True, routed_scale=1.0, backend=None)
         -> (weights fp32 [T, k], ids int32 [T, k])
+    routing_scores(logits, scoring="softmax", *, backend=None) -> fp32 [T, E]   (the scoring step alone)
     MoEWeights(w13: Fp8Weight [E, 2I, H], w2: Fp8Weight [E, H, I])      (list of per-expert Fp8Weight accepted)
     MoEWeights.from_master(w13_bf16 [E, 2I, H], w2_bf16 [E, H, I], *, ue8m0=False, backend=None)
     MoEWeights.requantize_(w13_bf16, w2_bf16)                              (same storage)
