@@ -636,3 +636,25 @@ def test_check_patches_tooling():
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "check-patches: OK" in r.stdout
+
+
+def test_vllm_fp8_block_linear(seeded):
+    from zerodiff.ops.fp8_gemm import fp8_linear
+    from zerodiff.ops.fp8_quant import Fp8Weight
+
+    g = seeded()
+    w = Fp8Weight.from_master((torch.randn(256, 384, generator=g) * 0.05).to(torch.bfloat16))
+    x = torch.randn(2, 3, 384, generator=g).to(torch.bfloat16)
+    y = zv.fp8_block_linear(x, w.q, w.scale)
+    assert y.shape == (2, 3, 256) and y.dtype == torch.bfloat16
+    assert torch.equal(y.reshape(6, 256), fp8_linear(x.reshape(6, 384), w))
+    for n in (1, 2, 31, 33):  # a row alone and in batches
+        xb = torch.randn(n, 384, generator=g).to(torch.bfloat16)
+        xb[n - 1] = x[0, 0]
+        assert torch.equal(zv.fp8_block_linear(xb, w.q, w.scale)[n - 1], y[0, 0])
+    with pytest.raises(ConfigError, match="bias"):
+        zv.fp8_block_linear(x, w.q, w.scale, torch.zeros(256))
+    with pytest.raises(ConfigError, match="weight scale"):
+        zv.fp8_block_linear(x, w.q, w.scale.t().contiguous())
+    with pytest.raises(ConfigError, match="float8_e4m3fn"):
+        zv.fp8_block_linear(x, w.q.t(), w.scale)

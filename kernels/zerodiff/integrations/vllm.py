@@ -63,7 +63,9 @@ Adapters (upstream tensors/layouts -> zerodiff ops)
   ``fix_sampled_logprobs(logprobs_tensors, raw_logits, sampled, num_logprobs)``: the sampled token's
   log-prob from ``zerodiff.ops.logprobs`` (raw logits, temperature 1), the rollout side of the
   training loss ``-token_logprobs``.
-Adapters called inside vLLM's compiled model forward (router, RMSNorm) run through torch custom ops
+* ``fp8_block_linear(x, weight, weight_scale, bias=None, *, ue8m0=False)``: ``zerodiff.ops.fp8_gemm.fp8_linear``
+  for block-FP8 linears (one M-independent kernel choice per (N, K)).
+Adapters called inside vLLM's compiled model forward (router, RMSNorm, FP8 linear) run through torch custom ops
 (``zerodiff_vllm::*``) so Dynamo treats them as opaque.
 """
 
@@ -93,6 +95,7 @@ __all__ = [
     "keep_raw_logits",
     "sampled_token_logprobs",
     "fix_sampled_logprobs",
+    "fp8_block_linear",
 ]
 
 ALLOWED_CUDAGRAPH_MODES = ("NONE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -438,7 +441,19 @@ def _ops() -> dict:
     def _(x, residual, w, eps):
         return torch.empty_like(x), torch.empty_like(x)
 
-    _OPS.update(router_logits=_router_logits, rms_norm=_rms_norm, rms_norm_residual=_rms_norm_residual)
+    @custom_op(f"{_LIB}::fp8_block_linear", mutates_args=())
+    def _fp8_block_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ue8m0: bool) -> torch.Tensor:
+        from ..ops.fp8_gemm import fp8_linear as zd_fp8_linear
+        from ..ops.fp8_quant import Fp8Weight
+
+        return zd_fp8_linear(x, Fp8Weight(w, s, ue8m0))
+
+    @_fp8_block_linear.register_fake
+    def _(x, w, s, ue8m0):
+        return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)
+
+    _OPS.update(router_logits=_router_logits, rms_norm=_rms_norm, rms_norm_residual=_rms_norm_residual,
+                fp8_block_linear=_fp8_block_linear)
     return _OPS
 
 
@@ -510,3 +525,32 @@ def fix_sampled_logprobs(logprobs_tensors, raw_logits: torch.Tensor, sampled: to
     else:
         t[:, 0] = lp
     return logprobs_tensors
+
+
+# ------------------------------------------------------------------------------------- block-FP8 linear
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None, *, ue8m0: bool = False) -> torch.Tensor:
+    """Replacement for ``Fp8LinearMethod.apply`` (block-quantised weights): ``zerodiff.ops.fp8_gemm.fp8_linear``
+    (1x128 activation quant by the deployment rule, then one accumulation order for every M; no FlashInfer
+    ``M < 32`` branch). ``weight`` e4m3 ``[N, K]``, ``weight_scale`` fp32 ``[ceil(N/128), ceil(K/128)]`` (the
+    checkpoint's ``weight_scale_inv``); ``ue8m0`` = whether activation scales are powers of two (vLLM's
+    ``is_deep_gemm_e8m0_used()``; the training side must build its ``Fp8Weight`` with the same flag).
+    Layouts a kernel's weight post-processing produced (transposed, packed UE8M0, padded) are refused."""
+    if bias is not None:
+        raise ConfigError("zerodiff FP8 linear: a bias is not supported in consistency mode")
+    if x.dtype != torch.bfloat16:
+        raise ConfigError(f"zerodiff FP8 linear: input must be bfloat16, got {x.dtype}")
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous():
+        raise ConfigError(f"zerodiff FP8 linear: weight must be a contiguous float8_e4m3fn [N, K], got "
+                          f"{weight.dtype} {tuple(weight.shape)} (post-processed by another kernel?)")
+    N, K = weight.shape
+    want = ((N + 127) // 128, (K + 127) // 128)
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != want:
+        raise ConfigError(f"zerodiff FP8 linear: weight scale must be fp32 {want} (128x128 blocks), got "
+                          f"{weight_scale.dtype} {tuple(weight_scale.shape)} (packed/transformed layout?)")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = _ops()["fp8_block_linear"](x2, weight, weight_scale.contiguous(), bool(ue8m0))
+    return out.view(*lead, N)
