@@ -270,6 +270,31 @@ def test_default_backend_on_cpu_is_reference(seeded):
         assert torch.equal(a, b)
 
 
+def _head_weights(g, H, device="cpu"):
+    fn = (torch.randn(N_HC, N_HC * H, generator=g) * 0.02).to(device)
+    return fn, torch.tensor([0.5], dtype=torch.float32).to(device), (torch.randn(N_HC, generator=g) * 0.5).to(device)
+
+
+@needs_triton
+def test_triton_hc_head_matches_reference_and_victim(seeded):
+    g = seeded()
+    H = 256
+    fn, scale, base = _head_weights(g, H)
+    res = _streams(g, 6, H)
+    out = mhc.hc_head(res, fn, scale, base, backend="triton")
+    r = ref.hc_head_ref(res, fn, scale, base)
+    assert out.dtype == torch.bfloat16 and out.shape == (6, H)
+    ulp = (out.view(torch.int16).int() - r.view(torch.int16).int()).abs()
+    assert ulp.max() <= 1 and (ulp != 0).float().mean() < 0.02
+    assert torch.equal(mhc.hc_head(res, fn, scale, base), r)  # default backend on CPU = reference
+    alone = mhc.hc_head(res[2:3].contiguous(), fn, scale, base, backend="triton")
+    for T, pos in ((5, 4), (17, 16), (17, 3)):
+        batch = _streams(g, T, H)
+        batch[pos] = res[2]
+        _assert_rows_equal(mhc.hc_head(batch, fn, scale, base, backend="triton")[pos], alone[0],
+                           f"hc_head victim at {pos} of T={T}")
+
+
 # ----------------------------------------------------------------------------------- bad input
 
 
@@ -293,6 +318,9 @@ def test_bad_inputs_raise_clear_errors():
         (lambda: mhc.mhc_post(res[:3, 0], res, torch.ones(4, 4), torch.ones(4, 4, 4)), "layer_out"),
         (lambda: mhc.mhc_post(res[:, 0], res, torch.ones(4, 4), torch.ones(4, 4)), "comb must be fp32"),
         (lambda: mhc.mhc_pre_split_baseline(res, fn, scale, base, gemm="cublas"), "unknown gemm"),
+        (lambda: mhc.hc_head(res, fn[:4], scale, base[:4]), "hc_scale must be fp32 \\[1\\]"),
+        (lambda: mhc.hc_head(res, fn, scale[:1], base[:4]), "fn must be fp32"),
+        (lambda: mhc.hc_head(res, fn[:4], scale[:1], base), "hc_base must be fp32"),
     ]
     for fn_call, text in cases:
         with pytest.raises(ValueError, match=text):
@@ -394,6 +422,30 @@ def test_gpu_benchmark_variants_are_batch_invariant(splits, precision):
         out = run(batch)
         for name, a, b in zip(("layer_input", "post", "comb"), out, alone):
             _assert_rows_equal(a[T - 1], b[0], f"{splits}-split/{precision} {name}: victim last of T={T}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [4096, 7168])
+def test_gpu_hc_head_victim_and_control(H):
+    g = torch.Generator().manual_seed(17)
+    fn, scale, base = _head_weights(g, H, "cuda")
+    victim = _streams(g, 1, H, "cuda", adversarial=False)
+    alone = mhc.hc_head(victim, fn, scale, base)
+    r = ref.hc_head_ref(victim.cpu(), fn.cpu(), scale.cpu(), base.cpu())
+    assert (alone.cpu().view(torch.int16).int() - r.view(torch.int16).int()).abs().max() <= 1
+    for rnd in range(2):
+        for T in GPU_TS:
+            batch = _streams(g, T, H, "cuda")
+            pos = (7 * rnd + T // 3) % T
+            batch[pos] = victim[0]
+            _assert_rows_equal(mhc.hc_head(batch, fn, scale, base)[pos], alone[0],
+                               f"hc_head H={H}: victim at {pos} of T={T}, round {rnd}")
+    # negative control: a torch fp32 eager projection (what a training-side port would compute)
+    # gives the same token different mixing logits than our kernel
+    batch = _streams(g, 64, H, "cuda")
+    eager = batch.reshape(64, -1).float() @ fn.t()
+    ours, _ = mhc.prenorm_gemm(batch, fn)
+    assert not torch.equal(eager, ours[0]), "negative control: eager projection matched the kernel"
 
 
 @pytest.mark.gpu

@@ -34,6 +34,10 @@ Numerical contract of :func:`mhc_pre` (Triton backend)
 first, then i = 0..n-1, one multiply and one add per term (FP fusion off), one RNE rounding to bf16.
 Bitwise equal to ``reference.mhc.mhc_post_ref(..., dtype=torch.float32)`` on any device.
 
+:func:`hc_head` (the model's final collapse of the n streams into one, vLLM's ``HCHeadOp``): ``fn``
+[n, n*H], one scale, n bases; ``pre = sigmoid(mix*rms*scale + base) + hc_eps``, then the aggregation
+above; the projection / sum of squares / normalisation / aggregation contract is :func:`mhc_pre`'s.
+
 :func:`mhc_pre_split_baseline` is the stock-style path (negative control, benchmark baseline): the
 split count from the token count as vLLM computes it, partial sums added in split order, then the same
 epilogue. Its bits depend on T; ours do not.
@@ -45,8 +49,8 @@ constant (not a function of T) is equally batch-invariant: ``prenorm_gemm(splits
 add S partials in split order, and the benchmark times S = 8 and 16. Changing :data:`FIXED_SPLITS` is a
 contract change (values change, invariance does not) and must be made on both sides at once.
 
-Bad input raises ``ValueError`` naming the argument: wrong dtype / rank / shape, non-power-of-two or
-> 8 ``hc_mult``, tensors on different devices, ``sinkhorn_iters < 1``, an unknown backend, or a
+Bad input raises ``ValueError`` naming the argument: wrong dtype / rank / shape, ``hc_mult`` not in
+(1, 2, 4) for pre / head (not a power of two <= 8 for post), tensors on different devices, ``sinkhorn_iters < 1``, an unknown backend, or a
 Triton backend on a device where Triton cannot run. Non-finite inputs are not checked; they propagate.
 """
 
@@ -65,6 +69,7 @@ __all__ = [
     "FIXED_SPLITS",
     "mhc_pre",
     "mhc_post",
+    "hc_head",
     "mhc_pre_split_baseline",
     "stock_num_splits",
     "prenorm_gemm",
@@ -193,7 +198,14 @@ if zt.HAVE_TRITON:
             c = tl.div_rn(c, (_colsum_seq(c, NH) + sk_eps)[None, :])
         tl.store(post_ptr + row * NH + n, post)
         tl.store(comb_ptr + row * NH * NH + ii * NH + jj, c)
-        # aggregation: acc = pre0*x0; acc += pre_i*x_i (i ascending); one rounding to bf16
+        _aggregate_row(pre, res_ptr, li_ptr, row, H, NH, BLOCK_H, EXACT)
+
+    @triton.jit
+    def _aggregate_row(pre, res_ptr, out_ptr, row, H, NH: tl.constexpr, BLOCK_H: tl.constexpr,
+                       EXACT: tl.constexpr):
+        """out[row] = bf16(pre0*x0 + pre1*x1 + ...) with the adds in increasing stream index.
+        pre (> 0) is an [NH] vector; its entries are extracted exactly with where + sum over zeros."""
+        n = tl.arange(0, NH)
         p0 = tl.sum(tl.where(n == 0, pre, 0.0), axis=0)
         rbase = res_ptr + row * NH * H
         for h0 in range(0, H, BLOCK_H):
@@ -203,7 +215,24 @@ if zt.HAVE_TRITON:
             for i in tl.static_range(1, NH):
                 pi = tl.sum(tl.where(n == i, pre, 0.0), axis=0)
                 acc = acc + pi * _bf16_to_f32(tl.load(rbase + i * H + offs, mask=hm, other=0.0), EXACT)
-            tl.store(li_ptr + row * H + offs, zt.cast_bf16(acc, EXACT), mask=hm)
+            tl.store(out_ptr + row * H + offs, zt.cast_bf16(acc, EXACT), mask=hm)
+
+    @triton.jit
+    def _hc_head_epilogue_kernel(
+        mix_ptr, sq_ptr, scale_ptr, base_ptr, res_ptr, out_ptr, T, H, K, rms_eps, hc_eps, S,
+        NH: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        n = tl.arange(0, NH)
+        sq = tl.load(sq_ptr + row)
+        mix = tl.load(mix_ptr + row * NH + n)
+        t64 = tl.zeros([], dtype=tl.int64) + T
+        for s in range(1, S):
+            sq = sq + tl.load(sq_ptr + s * t64 + row)
+            mix = mix + tl.load(mix_ptr + s * t64 * NH + row * NH + n)
+        rms = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sq, K.to(tl.float32)) + rms_eps))
+        pre = _sigmoid_rn((mix * rms) * tl.load(scale_ptr) + tl.load(base_ptr + n)) + hc_eps
+        _aggregate_row(pre, res_ptr, out_ptr, row, H, NH, BLOCK_H, EXACT)
 
     @triton.jit
     def _mhc_post_kernel(
@@ -233,16 +262,21 @@ def _err(msg: str) -> ValueError:
     return ValueError(f"zerodiff.mhc: {msg}")
 
 
-def _check_pre(residual, fn, hc_scale, hc_base, sinkhorn_iters):
+def _check_pre(residual, fn, hc_scale, hc_base, sinkhorn_iters, head=False):
     if not isinstance(residual, torch.Tensor) or residual.dim() != 3 or residual.dtype != torch.bfloat16:
         raise _err(f"residual must be a bf16 tensor [T, hc_mult, H]; got "
                    f"{getattr(residual, 'dtype', type(residual))} {tuple(getattr(residual, 'shape', ()))}")
     T, n, H = residual.shape
-    if n < 1 or n > 8 or (n & (n - 1)) != 0:
-        raise _err(f"hc_mult (residual.shape[1]) must be a power of two <= 8; got {n}")
+    if n not in (1, 2, 4):
+        raise _err(f"hc_mult (residual.shape[1]) must be 1, 2 or 4 (n*(n+2) mixes fit the kernel's "
+                   f"{_GEMM_BN}-wide tile); got {n}")
     if H < 1:
         raise _err(f"hidden size (residual.shape[2]) must be >= 1; got {H}")
-    nm = ref.n_mix(n)
+    nm = n if head else ref.n_mix(n)
+    if head:
+        if hc_scale.dtype != torch.float32 or tuple(hc_scale.shape) != (1,):
+            raise _err(f"hc_scale must be fp32 [1] for hc_head; got {hc_scale.dtype} {tuple(hc_scale.shape)}")
+        hc_scale = hc_scale.expand(3)  # shape check below then passes
     if fn.dtype != torch.float32 or tuple(fn.shape) != (nm, n * H):
         raise _err(f"fn must be fp32 [{nm}, {n * H}] for residual {tuple(residual.shape)}; "
                    f"got {fn.dtype} {tuple(fn.shape)}")
@@ -253,7 +287,7 @@ def _check_pre(residual, fn, hc_scale, hc_base, sinkhorn_iters):
     for name, t in (("fn", fn), ("hc_scale", hc_scale), ("hc_base", hc_base)):
         if t.device != residual.device:
             raise _err(f"{name} is on {t.device} but residual is on {residual.device}")
-    if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
+    if not head and (not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1):
         raise _err(f"sinkhorn_iters must be an int >= 1; got {sinkhorn_iters!r}")
 
 
@@ -299,9 +333,9 @@ def prenorm_gemm(residual: torch.Tensor, fn: torch.Tensor, *, splits: int = FIXE
     ops always pass :data:`FIXED_SPLITS`; other values exist for the benchmark only."""
     T, n, H = residual.shape
     K = n * H
-    nm = ref.n_mix(n)
+    nm = fn.shape[0]
     if nm > _GEMM_BN:
-        raise _err(f"n_mix = {nm} exceeds the kernel's padded width {_GEMM_BN} (hc_mult {n} unsupported)")
+        raise _err(f"fn has {nm} rows, more than the kernel's padded width {_GEMM_BN} (hc_mult {n} unsupported)")
     x = residual.contiguous().view(T, K)
     fn = fn.contiguous()
     mix = torch.empty(splits, T, nm, dtype=torch.float32, device=residual.device)
@@ -390,6 +424,38 @@ def mhc_post(
         layer_out.contiguous(), residual.contiguous(), post.reshape(T, n).contiguous(),
         comb.contiguous(), out, H, NH=n, BLOCK_H=_POST_BLOCK_H, EXACT=zt.EXACT_CASTS,
         num_warps=_POST_WARPS, **zt.LAUNCH_OPTS,
+    )
+    return out
+
+
+def hc_head(
+    residual: torch.Tensor,
+    fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    *,
+    rms_eps: float = ref.RMS_EPS,
+    hc_eps: float = ref.HC_EPS,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """DeepSeek-V4's final stream collapse (vLLM ``HCHeadOp``): bf16 [T, H].
+
+    ``residual`` bf16 [T, n, H]; ``fn`` fp32 [n, n*H]; ``hc_scale`` fp32 [1]; ``hc_base`` fp32 [n].
+    ``pre = sigmoid(mix * rms * hc_scale + hc_base) + hc_eps`` with the same projection, sum of squares,
+    normalisation and aggregation contract as :func:`mhc_pre` (split count 1, no Sinkhorn)."""
+    _check_pre(residual, fn, hc_scale, hc_base, 1, head=True)
+    be = _pick_backend(backend, residual.device)
+    if be == "reference":
+        return ref.hc_head_ref(residual, fn, hc_scale, hc_base, rms_eps=rms_eps, hc_eps=hc_eps)
+    T, n, H = residual.shape
+    mix, sq = prenorm_gemm(residual, fn, splits=FIXED_SPLITS)
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=residual.device)
+    if T == 0:
+        return out
+    _hc_head_epilogue_kernel[(T,)](
+        mix, sq, hc_scale.contiguous(), hc_base.contiguous(), residual.contiguous(), out, T, H, n * H,
+        float(rms_eps), float(hc_eps), FIXED_SPLITS, NH=n, BLOCK_H=_EPI_BLOCK_H, EXACT=zt.EXACT_CASTS,
+        num_warps=_EPI_WARPS, **zt.LAUNCH_OPTS,
     )
     return out
 

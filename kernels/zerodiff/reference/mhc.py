@@ -140,3 +140,23 @@ def mhc_post_ref(
     for i in range(n):
         acc = acc + comb[:, i, :].unsqueeze(-1) * r[:, i : i + 1, :]
     return acc.to(torch.bfloat16)
+
+
+def hc_head_ref(
+    residual: torch.Tensor,
+    fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    *,
+    rms_eps: float = RMS_EPS,
+    hc_eps: float = HC_EPS,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The final collapse (vLLM ``HCHeadOp``): ``fn`` [n, n*H], ``hc_scale`` [1], ``hc_base`` [n];
+    ``pre = sigmoid(mix * hc_scale + hc_base) + hc_eps`` with ``mix`` normalised as in step 2 above,
+    then ``sum_i pre[i] * residual[:, i]`` rounded once to bf16."""
+    T, n, H = residual.shape
+    x = residual.reshape(T, n * H).to(dtype)
+    mix = (x @ fn.to(dtype).t()) / torch.sqrt((x * x).sum(-1, keepdim=True) / (n * H) + rms_eps)
+    pre = torch.sigmoid(mix * hc_scale.to(dtype)[0] + hc_base.to(dtype)) + hc_eps
+    return aggregate_ref(residual, pre, dtype)
