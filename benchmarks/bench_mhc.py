@@ -13,6 +13,7 @@ mhc_pre (hc_mult 4, H in 4096 / 7168, T tokens):
           same x traffic, more programs at small T, but a change of the "split count 1" contract).
 mhc_post: ours vs the torch fp32 eager formula (vLLM's ``mhc_post_torch``; TileLang's kernel is not
           available without TileLang).
+hc_head:  ours vs torch fp32 eager (the final collapse, once per forward).
 
 Usage: python benchmarks/bench_mhc.py --json out.json [--quick]
 (The first run may include DeepGEMM JIT compiles, one per distinct stock split count; they happen before
@@ -107,6 +108,12 @@ def main():
         t_post = median_ms(lambda: mhc.mhc_post(lo, res, post, comb), **reps)
         t_post_stock = median_ms(lambda: post_torch(lo, res, post, comb), **reps)
         rows.append(row("mhc_post", shape, t_post, t_post_stock, "torch fp32 eager (vLLM mhc_post_torch)"))
+
+        hfn, hscale, hbase = fn[:N_HC].contiguous(), scale[:1].contiguous(), base[:N_HC].contiguous()
+        t_head = median_ms(lambda: mhc.hc_head(res, hfn, hscale, hbase), **reps)
+        t_head_eager = median_ms(lambda: ref.hc_head_ref(res, hfn, hscale, hbase, dtype=torch.float32), **reps)
+        rows.append(row("hc_head", shape, t_head, t_head_eager,
+                        "torch fp32 eager (TileLang hc_head not available without TileLang)"))
         del res, fn, lo, mix, sq, ours, stock
         torch.cuda.empty_cache()
     write(args.json, "mhc", rows)
