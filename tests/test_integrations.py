@@ -658,3 +658,25 @@ def test_vllm_fp8_block_linear(seeded):
         zv.fp8_block_linear(x, w.q, w.scale.t().contiguous())
     with pytest.raises(ConfigError, match="float8_e4m3fn"):
         zv.fp8_block_linear(x, w.q.t(), w.scale)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_vllm_expert_routing_matches_training_routing(seeded, scoring):
+    from zerodiff.ops.moe import route
+
+    g = seeded(scoring)
+    T, E, k = 9, 32, 6
+    logits = torch.randint(-8, 8, (T, E), generator=g).float() / 4  # ties
+    bias = torch.nn.Parameter(torch.randn(E, generator=g) * 0.01)
+    w, ids = zv.expert_routing(logits, k, scoring_func=scoring, bias=bias, renormalize=True,
+                               routed_scaling_factor=2.5, indices_type=torch.int64)
+    rw, rids = route(logits, k, scoring=scoring, bias=bias.detach(), renormalize=True, routed_scale=2.5)
+    assert ids.dtype == torch.int64 and torch.equal(ids, rids.long()) and torch.equal(w, rw)
+    # the training side (Megatron wrapper) gives the same selection and weights
+    probs, rmap = zm.topk_routing(logits, k, score_function=scoring,
+                                  use_pre_softmax=False, scaling_factor=2.5, expert_bias=bias.detach())
+    assert torch.equal(probs.gather(1, ids), w) and int(rmap.sum()) == T * k
+    with pytest.raises(ConfigError, match="fp32"):
+        zv.expert_routing(logits.bfloat16(), k, scoring_func=scoring)
+    with pytest.raises(ConfigError, match="scoring_func"):
+        zv.expert_routing(logits, k, scoring_func="gumbel")

@@ -65,6 +65,8 @@ Adapters (upstream tensors/layouts -> zerodiff ops)
   training loss ``-token_logprobs``.
 * ``fp8_block_linear(x, weight, weight_scale, bias=None, *, ue8m0=False)``: ``zerodiff.ops.fp8_gemm.fp8_linear``
   for block-FP8 linears (one M-independent kernel choice per (N, K)).
+* ``expert_routing(router_logits, top_k, *, scoring_func, bias, renormalize, routed_scaling_factor,
+  indices_type)``: ``zerodiff.ops.moe.route`` for ``FusedTopKBiasRouter`` (deterministic expert top-k).
 Adapters called inside vLLM's compiled model forward (router, RMSNorm, FP8 linear) run through torch custom ops
 (``zerodiff_vllm::*``) so Dynamo treats them as opaque.
 """
@@ -96,6 +98,7 @@ __all__ = [
     "sampled_token_logprobs",
     "fix_sampled_logprobs",
     "fp8_block_linear",
+    "expert_routing",
 ]
 
 ALLOWED_CUDAGRAPH_MODES = ("NONE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -554,3 +557,33 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         x2 = x2.contiguous()
     out = _ops()["fp8_block_linear"](x2, weight, weight_scale.contiguous(), bool(ue8m0))
     return out.view(*lead, N)
+
+
+# ------------------------------------------------------------------------------------ expert routing
+_VLLM_SCORING = {"softmax": "softmax", "sigmoid": "sigmoid", "sqrtsoftplus": "sqrtsoftplus"}
+
+
+def expert_routing(router_logits: torch.Tensor, top_k: int, *, scoring_func: str, bias=None,
+                   renormalize: bool = True, routed_scaling_factor: float = 1.0,
+                   indices_type: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replacement for ``FusedTopKBiasRouter._compute_routing`` (no hash table, no vision bias):
+    ``zerodiff.ops.moe.route`` on the FP32 router logits -> (weights fp32 [T, k], ids [T, k]) in the slot
+    order the training side uses (expert id descending). ``bias`` is the e-score correction bias (a
+    tensor or parameter, FP32 [E]); ``indices_type`` the dtype vLLM asks for the ids (int32 default)."""
+    from ..ops.moe import route
+
+    if scoring_func not in _VLLM_SCORING:
+        raise ConfigError(f"zerodiff expert routing: scoring_func={scoring_func!r} is not supported "
+                          f"(use one of {tuple(_VLLM_SCORING)})")
+    if router_logits.dtype != torch.float32:
+        raise ConfigError(f"zerodiff expert routing: router logits must be fp32 (GateLinear out_dtype=fp32), "
+                          f"got {router_logits.dtype}")
+    b = None
+    if bias is not None:
+        b = getattr(bias, "data", bias)
+        if b.dtype != torch.float32:
+            raise ConfigError(f"zerodiff expert routing: e_score_correction_bias must be fp32, got {b.dtype}")
+    w, ids = route(router_logits.contiguous(), int(top_k), scoring=_VLLM_SCORING[scoring_func], bias=b,
+                   renormalize=bool(renormalize) and top_k > 1,
+                   routed_scale=float(routed_scaling_factor or 1.0))
+    return w, ids.to(indices_type or torch.int32)
