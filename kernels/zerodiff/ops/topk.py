@@ -43,6 +43,8 @@ run through Triton's interpreter: small shapes only); ``"reference"``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import _triton as zt
@@ -120,7 +122,9 @@ if zt.HAVE_TRITON:
                 j = tl.max(tl.where(incl >= kk, bins, -1), axis=0)
                 above = tl.sum(tl.where(bins == j, incl - h, 0), axis=0)
                 hj = tl.sum(tl.where(bins == j, h, 0), axis=0)
-                all_sel = n_in <= kk  # no more candidates than k (only possible in pass 0)
+                # no more candidates than k: only a pass-0 question (later passes always hold more
+                # candidates than they must select, else the previous pass ended the search)
+                all_sel = (n_in <= kk) & (p == 0)
                 kk_new = kk - above
                 prefix_new = (prefix << DIGIT) | j.to(tl.uint32)
                 exact = hj == kk_new  # the whole boundary bin is selected: T = its lowest key
@@ -171,6 +175,7 @@ if zt.HAVE_TRITON:
                 tl.store(scrow + o, tl.full([CHUNK], float("-inf"), tl.float32), mask=pm)
 
 
+@functools.lru_cache(maxsize=None)
 def _config(W: int) -> tuple[int, int, int]:
     """(CHUNK, DIGIT, num_warps) from the row width only (never from the number of rows).
 
