@@ -680,3 +680,92 @@ def test_vllm_expert_routing_matches_training_routing(seeded, scoring):
         zv.expert_routing(logits.bfloat16(), k, scoring_func=scoring)
     with pytest.raises(ConfigError, match="scoring_func"):
         zv.expert_routing(logits, k, scoring_func="gumbel")
+
+
+# ------------------------------------------------------------------------------------------- GPU tests
+def _cuda_gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+@pytest.mark.gpu
+def test_gpu_rollout_adapters_equal_training_wrappers():
+    """The heart of diff = 0 at the glue level: on the GPU, each vLLM adapter and the Megatron wrapper of the
+    same op return identical bits on the same inputs (same kernels, same arguments)."""
+    g = _cuda_gen(0)
+    T, H, E, V = 37, 4096, 256, 32000
+    x = (torch.randn(T, H, device="cuda", generator=g) * 2).bfloat16()
+    r = (torch.randn(T, H, device="cuda", generator=g) * 2).bfloat16()
+    wn = (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).bfloat16()
+    wg = (torch.randn(E, H, device="cuda", generator=g) * 0.02).bfloat16()
+    # router GEMM
+    assert torch.equal(zv.router_logits(x, wg), zm.router_logits(x, wg))
+    # RMSNorm (Megatron's norm sees the residual-added stream, vLLM fuses the add)
+    y, new_r = zv.rms_norm(x, wn, 1e-6, residual=r)
+    assert torch.equal(y, zm.rms_norm(new_r, wn, 1e-6))
+    # expert routing
+    logits = zv.router_logits(x, wg)
+    bias = torch.randn(E, device="cuda", generator=g) * 0.01
+    w, ids = zv.expert_routing(logits, 8, scoring_func="sqrtsoftplus", bias=bias, renormalize=True,
+                               routed_scaling_factor=1.5)
+    probs, _ = zm.topk_routing(logits, 8, score_function="sqrtsoftplus", scaling_factor=1.5, expert_bias=bias)
+    assert torch.equal(probs.gather(1, ids.long()), w)
+    # SwiGLU (the MoE activation's BF16 value before FP8)
+    from zerodiff.ops.silu_mul_quant import silu_mul
+    h = (torch.randn(T, 2 * 2048, device="cuda", generator=g) * 3).bfloat16()
+    assert torch.equal(zm.swiglu(h, 10.0), silu_mul(h, clamp_limit=10.0))
+    # sampled-token log-probs vs training loss
+    lg = (torch.randn(T, V, device="cuda", generator=g) * 3).bfloat16()
+    tok = torch.randint(0, V, (T,), device="cuda", generator=g)
+    assert torch.equal(zv.sampled_token_logprobs(lg, tok), -zm.cross_entropy(lg, tok))
+    # block-FP8 linear
+    from zerodiff.ops.fp8_quant import Fp8Weight
+    lin = zm.Fp8Linear((torch.randn(2048, H, device="cuda", generator=g) * 0.02).bfloat16())
+    assert torch.equal(zv.fp8_block_linear(x, lin.fp8.q, lin.fp8.scale), lin(x))
+    assert isinstance(lin.fp8, Fp8Weight)
+
+
+@pytest.mark.gpu
+def test_gpu_custom_ops_under_torch_compile_and_victim_rows():
+    g = _cuda_gen(1)
+    H, E = 4096, 256
+    wg = (torch.randn(E, H, device="cuda", generator=g) * 0.02).bfloat16()
+    wn = (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).bfloat16()
+
+    def f(x, r):
+        y, nr = zv.rms_norm(x, wn, 1e-6, residual=r)
+        return zv.router_logits(y, wg), nr
+
+    cf = torch.compile(f, fullgraph=True, dynamic=True)
+    victim_x = torch.randn(1, H, device="cuda", generator=g).bfloat16()
+    victim_r = torch.randn(1, H, device="cuda", generator=g).bfloat16()
+    alone = f(victim_x, victim_r)
+    for n in (1, 2, 15, 16, 17, 31, 33, 64, 65, 128, 1024):
+        for pos in (0, n // 2, n - 1):
+            x = torch.randn(n, H, device="cuda", generator=g).bfloat16()
+            r = torch.randn(n, H, device="cuda", generator=g).bfloat16()
+            x[pos], r[pos] = victim_x[0], victim_r[0]
+            for out in (f(x, r), cf(x, r)):
+                assert torch.equal(out[0][pos:pos + 1], alone[0]), (n, pos)
+                assert torch.equal(out[1][pos:pos + 1], alone[1]), (n, pos)
+    # negative control: stock FP32 router GEMM changes a row with M (DESIGN: once M >= 16)
+    xs = torch.randn(1024, H, device="cuda", generator=g).bfloat16()
+    stock_all = torch.mm(xs, wg.T, out_dtype=torch.float32)
+    stock_one = torch.mm(xs[:1], wg.T, out_dtype=torch.float32)
+    assert not torch.equal(stock_all[:1], stock_one)
+
+
+@pytest.mark.gpu
+def test_gpu_act_scale_layout_matches_deepgemm():
+    from zerodiff import backends
+
+    dg = backends.deep_gemm()
+    if dg is None:
+        pytest.skip(f"DeepGEMM unavailable: {backends.status()['deepgemm']['detail']}")
+    g = _cuda_gen(2)
+    for M in (1, 3, 64, 257):
+        x = (torch.randn(M, 2 * 2048, device="cuda", generator=g) * 3).bfloat16()
+        q, s = zv.moe_act_quant_contiguous(x, None, scale_fmt="FLOAT32")
+        from zerodiff.ops.silu_mul_quant import silu_mul_quant_fp8
+        _, s_rows = silu_mul_quant_fp8(x)
+        ref = dg.get_mn_major_tma_aligned_tensor(s_rows)
+        assert torch.equal(s, ref) and s.stride() == ref.stride(), M
