@@ -460,6 +460,13 @@ def _ops() -> dict:
     return _OPS
 
 
+def _op(name: str):
+    """The registered op as ``torch.ops.zerodiff_vllm.<name>`` (the form Dynamo traces as one opaque call)."""
+    if not _OPS:
+        _ops()
+    return getattr(getattr(torch.ops, _LIB), name)
+
+
 # ----------------------------------------------------------------------------------------- router GEMM
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Replacement for ``GateLinear.forward`` (FP32-output gate): ``zerodiff.ops.router_gemm`` on bf16
@@ -468,7 +475,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ConfigError(f"zerodiff router: input ({x.dtype}) and gate weight ({weight.dtype}) must be bfloat16 "
                           "in consistency mode (FP32 gate weights are not supported)")
     lead = x.shape[:-1]
-    out = _ops()["router_logits"](x.reshape(-1, x.shape[-1]), weight)
+    out = _op("router_logits")(x.reshape(-1, x.shape[-1]), weight)
     return out.view(*lead, weight.shape[0])
 
 
@@ -492,11 +499,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if residual is None:
-        return _ops()["rms_norm"](x2, weight, float(eps)).view(x.shape)
+        return _op("rms_norm")(x2, weight, float(eps)).view(x.shape)
     r2 = residual.reshape(-1, H)
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
-    y, r = _ops()["rms_norm_residual"](x2, r2, weight, float(eps))
+    y, r = _op("rms_norm_residual")(x2, r2, weight, float(eps))
     return y.view(x.shape), r.view(x.shape)
 
 
@@ -555,7 +562,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = _ops()["fp8_block_linear"](x2, weight, weight_scale.contiguous(), bool(ue8m0))
+    out = _op("fp8_block_linear")(x2, weight, weight_scale.contiguous(), bool(ue8m0))
     return out.view(*lead, N)
 
 
