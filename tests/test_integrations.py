@@ -59,6 +59,7 @@ BAD_VLLM = [
     ("moe_backend", "deep_gemm_mega_moe", "moe_backend='deep_gemm_mega_moe'"),
     ("linear_backend", "auto", "linear_backend='auto'"),
     ("linear_backend", "flashinfer_cutlass", "linear_backend='flashinfer_cutlass'"),
+    ("quantization", "mxfp4", "quantization='mxfp4'"),
 ]
 
 

@@ -38,6 +38,7 @@ reads those values off a ``VllmConfig`` (duck-typed, so CPU tests use fake objec
 * MoE models: ``moe_backend`` must be ``deep_gemm`` (the only expert path whose activation quant the
   series routes through ``zerodiff.ops.silu_mul_quant``); ``auto`` may pick Triton/FlashInfer/Cutlass
   experts by shape, so it is refused as well.
+* ``quantization`` other than none / ``fp8`` (block FP8): refused (e.g. ``mxfp4`` experts).
 * block-FP8 models (``quantization`` ``fp8``): ``linear_backend`` must be ``deep_gemm`` (the FlashInfer
   ``M < 32`` swap-AB branch is a batch-size fork, seed 4.1); ``auto`` picks FlashInfer first on CUDA.
 
@@ -166,6 +167,9 @@ def validate_config(
     if is_moe and str(moe_backend) != "deep_gemm":
         p.append(f"moe_backend={moe_backend!r}: only the DeepGEMM experts have their activation routed "
                  "through zerodiff; pass --moe-backend deep_gemm")
+    if quantization is not None and str(quantization).lower() not in ("fp8",):
+        p.append(f"quantization={quantization!r}: only BF16 and block-FP8 ('fp8', 128x128 weight blocks) "
+                 "checkpoints are supported in consistency mode (FP4 experts are not)")
     if quantization is not None and str(quantization).lower() == "fp8" and str(linear_backend) != "deep_gemm":
         p.append(f"linear_backend={linear_backend!r}: block-FP8 linears must run one M-independent kernel "
                  "(no FlashInfer M<32 branch); pass --linear-backend deep_gemm")
