@@ -267,10 +267,10 @@ from triton.compiler import ASTSource
 from zerodiff.ops.topk import _topk_kernel
 sig = {"s_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": "*i32", "osc_ptr": "*fp32", "W": "i32", "k": "i32",
        "stride_r": "i64", "HAS_LEN": "constexpr", "RET_SCORES": "constexpr", "CHUNK": "constexpr",
-       "DIGIT": "constexpr", "NPASS": "constexpr", "HIST_MASK": "constexpr"}
+       "DIGIT": "constexpr", "NPASS": "constexpr", "NB": "constexpr", "HIST_MASK": "constexpr"}
 for arch, has_len, ret, chunk, digit, warps in ((90, True, True, 4096, 11, 8), (100, False, True, 256, 8, 2)):
     cx = {"HAS_LEN": has_len, "RET_SCORES": ret, "CHUNK": chunk, "DIGIT": digit,
-          "NPASS": (32 + digit - 1) // digit, "HIST_MASK": True}
+          "NPASS": (32 + digit - 1) // digit, "NB": 1 << digit, "HIST_MASK": True}
     try:
         k = triton.compile(ASTSource(fn=_topk_kernel, signature=sig, constexprs=cx),
                            target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "enable_fp_fusion": False})

@@ -69,7 +69,7 @@ if zt.HAVE_TRITON:
     @triton.jit
     def _topk_kernel(s_ptr, len_ptr, out_ptr, osc_ptr, W, k, stride_r,
                      HAS_LEN: tl.constexpr, RET_SCORES: tl.constexpr, CHUNK: tl.constexpr,
-                     DIGIT: tl.constexpr, NPASS: tl.constexpr, HIST_MASK: tl.constexpr):
+                     DIGIT: tl.constexpr, NPASS: tl.constexpr, NB: tl.constexpr, HIST_MASK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         if HAS_LEN:
             L = tl.load(len_ptr + row).to(tl.int32)
@@ -82,7 +82,6 @@ if zt.HAVE_TRITON:
         # can be vectorised; columns in [L, LR) are read but masked out of the candidates
         LR = tl.minimum(tl.cdiv(L, 16) * 16, W)
         ar = tl.arange(0, CHUNK)
-        NB: tl.constexpr = 1 << DIGIT
         bins = tl.arange(0, NB)
 
         # ---- radix select of the threshold key T (32 bits) and how many ties at T to take (need) ----
@@ -124,7 +123,10 @@ if zt.HAVE_TRITON:
                 hj = tl.sum(tl.where(bins == j, h, 0), axis=0)
                 # no more candidates than k: only a pass-0 question (later passes always hold more
                 # candidates than they must select, else the previous pass ended the search)
-                all_sel = (n_in <= kk) & (p == 0)
+                if p == 0:
+                    all_sel = n_in <= kk
+                else:
+                    all_sel = n_in < 0
                 kk_new = kk - above
                 prefix_new = (prefix << DIGIT) | j.to(tl.uint32)
                 exact = hj == kk_new  # the whole boundary bin is selected: T = its lowest key
@@ -235,7 +237,7 @@ def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist
         _topk_kernel[(R,)](
             scores, lens, out, osc, W, k, scores.stride(0),
             HAS_LEN=lengths is not None, RET_SCORES=return_scores, CHUNK=CHUNK,
-            DIGIT=DIGIT, NPASS=(32 + DIGIT - 1) // DIGIT, HIST_MASK=hmask,
+            DIGIT=DIGIT, NPASS=(32 + DIGIT - 1) // DIGIT, NB=1 << DIGIT, HIST_MASK=hmask,
             num_warps=warps, **zt.LAUNCH_OPTS,
         )
     return (out, osc) if return_scores else out
