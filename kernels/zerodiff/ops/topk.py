@@ -217,7 +217,11 @@ def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist
         scores = scores.contiguous()  # the kernel reads unit-stride rows (any row stride)
     out = torch.empty((R, k), dtype=torch.int32, device=scores.device)
     osc = torch.empty((R, k), dtype=torch.float32, device=scores.device) if return_scores else out
-    if R > 0:
+    if R > 0 and W == 0:  # nothing to select (and no data pointer to hand to a kernel)
+        out.fill_(-1)
+        if return_scores:
+            osc.fill_(float("-inf"))
+    elif R > 0:
         CHUNK, DIGIT, warps = _config(W)
         # overrides are for tests only: small chunks cover the multi-chunk logic at small widths, and
         # both digit widths / histogram variants are checked against the reference
