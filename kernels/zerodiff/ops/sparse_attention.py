@@ -359,6 +359,16 @@ def sparse_mla_attention(q, cache, block_table, req_ids, positions, sm_scale: fl
     Q = q.shape[0]
     if positions.dim() != 2 or positions.shape[0] != Q:
         raise ValueError(f"zerodiff.sparse_attention: positions must be int32 [{Q}, W], got {tuple(positions.shape)}")
+    if backend in ("triton_fp8_split", "triton_fp8"):
+        # fused paths: read the FP8 cache directly, no workspace (rows are independent: no row chunking needed)
+        if workspace not in ("per_row", "per_request"):
+            raise ValueError(f"zerodiff.sparse_attention: workspace={workspace!r} (use 'per_row' or 'per_request')")
+        if gather_backend not in (None, "triton"):
+            raise ValueError(f"zerodiff.sparse_attention: backend={backend!r} dequantises inside the attention kernel; "
+                             f"gather_backend={gather_backend!r} cannot apply (leave it None)")
+        fn = sparse_mla_attention_fp8_split if backend == "triton_fp8_split" else sparse_mla_attention_fp8
+        return fn(q, cache, block_table, req_ids, positions, sm_scale, attn_sink=attn_sink, d_nope=d_nope,
+                  d_rope=d_rope, seq_lens=seq_lens, check=check)
     if rows_per_chunk <= 0:
         raise ValueError(f"zerodiff.sparse_attention: rows_per_chunk={rows_per_chunk} must be positive")
     D = d_nope + d_rope
@@ -408,6 +418,223 @@ def _per_request(q, cache, block_table, req_ids, positions, sm_scale, attn_sink,
     slot = torch.searchsorted(reqs, req_ids).to(torch.int64)[:, None]
     idx = torch.where(positions >= 0, slot * Lmax + positions.long(), torch.full_like(slot, -1)).to(torch.int32)
     return sparse_attention(q, ws.view(-1, D), idx, sm_scale, d_v=d_nope, attn_sink=attn_sink, backend=backend)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Split-index fused FP8 kernel ("triton_fp8_split"): the fast consistent read path for every phase.
+# ------------------------------------------------------------------------------------------------------------
+#: fixed launch configurations per model shape (H rounded to the head block, d_nope, d_rope). Never chosen from
+#: the batch, the number of rows, the top-k width or the SM count: CHUNK is the number of index-list entries one
+#: program reduces, so the chunk boundaries of a row are the same for every batch and phase.
+_SPLIT_CONFIGS = {
+    # model shape (DeepSeek V3.2 / V4 latent): 64 or 128 heads, 512 nope + 64 rope, 656-byte tokens.
+    (512, 64): dict(BLOCK_H=32, BLOCK_N=16, CHUNK=256, num_warps=8, num_stages=2, MERGE_BH=16, merge_warps=4),
+}
+#: small shapes (CPU interpreter tests); small CHUNK so short index lists still cross chunk boundaries.
+_SPLIT_SMALL = dict(BLOCK_H=16, BLOCK_N=16, CHUNK=32, num_warps=4, num_stages=1, MERGE_BH=16, merge_warps=4)
+
+
+def split_config(d_nope: int = 512, d_rope: int = 64) -> dict:
+    """The fixed launch configuration of the split kernel for a model shape (a copy; see ``_SPLIT_CONFIGS``)."""
+    return dict(_SPLIT_CONFIGS.get((d_nope, d_rope), _SPLIT_SMALL))
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _split_dequant_tile(cache_ptr, bt_ptr, bt_s0, req, idx, num_blocks, max_blocks,
+                            BLOCK_SIZE: tl.constexpr, BPT: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
+                            EXACT: tl.constexpr):
+        """Resolve a block of request-local positions through the block table and dequantise the tokens:
+        (nope bf16 [N, D_V] = bf16(float(code) * scale), rope bf16 [N, D_R], valid [N]). Empty entries (-1)
+        are invalid; unresolvable ones (hole, past the table) are valid-but-NaN so the output is poisoned."""
+        G: tl.constexpr = D_V // 128
+        valid = idx >= 0
+        lb = tl.where(valid, idx // BLOCK_SIZE, 0)
+        in_table = lb < max_blocks
+        blk = tl.load(bt_ptr + req * bt_s0 + lb, mask=valid & in_table, other=-1).to(tl.int64)
+        ok = valid & in_table & (blk >= 0) & (blk < num_blocks)
+        bad = valid & (~ok)
+        base = cache_ptr + tl.where(ok, blk * BLOCK_SIZE + idx % BLOCK_SIZE, 0) * BPT  # [N]
+        gi = tl.arange(0, G)
+        ci = tl.arange(0, 128)
+        off = gi[None, :, None] * 128 + ci[None, None, :]  # [1, G, 128]
+        code = tl.load(base[:, None, None] + off, mask=ok[:, None, None], other=0)
+        sc = tl.load((base[:, None] + D_V).to(tl.pointer_type(tl.float32)) + gi[None, :], mask=ok[:, None], other=0.0)
+        k3 = cast_bf16(code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, :, None], EXACT)
+        kn = tl.reshape(k3, [k3.shape[0], D_V])
+        dr = tl.arange(0, D_R)
+        kr = tl.load((base[:, None] + D_V + 4 * G).to(tl.pointer_type(tl.bfloat16)) + dr[None, :],
+                     mask=ok[:, None], other=0.0)
+        nan = tl.full([1, 1], float("nan"), tl.float32).to(tl.bfloat16)
+        kn = tl.where(bad[:, None], nan, kn)
+        kr = tl.where(bad[:, None], nan, kr)
+        return kn, kr, valid
+
+    @triton.jit
+    def _split_partial_kernel(
+        q_ptr, q_s0, q_s1, pos_ptr, pos_s0, req_ptr, cache_ptr, bt_ptr, bt_s0,
+        pm_ptr, pl_ptr, pacc_ptr, H, K, NCH, num_blocks, max_blocks, scale_log2,
+        D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BPT: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr,
+    ):
+        # grid: (query row, head block, chunk). Program (r, hb, c) reduces entries [c*CHUNK, (c+1)*CHUNK) of
+        # row r's index list, in order, in sub-blocks of BLOCK_N, for heads [hb*BLOCK_H, (hb+1)*BLOCK_H).
+        # Computed transposed (KV entries / latent channels as the MMA's M dimension, heads as N): the
+        # dequantised tile is the A operand straight from registers, q^T stays in shared memory as the B
+        # operand, so no warp holds a replicated copy of q in registers (what made the untransposed form spill).
+        r = tl.program_id(0).to(tl.int64)
+        hb = tl.program_id(1)
+        c = tl.program_id(2)
+        req = tl.load(req_ptr + r).to(tl.int64)
+        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = h < H
+        dv = tl.arange(0, D_V)
+        dr = tl.arange(0, D_R)
+        qrow = q_ptr + r * q_s0 + h[None, :] * q_s1
+        qnt = tl.load(qrow + dv[:, None], mask=hm[None, :], other=0.0)  # [D_V, BLOCK_H]
+        qrt = tl.load(qrow + D_V + dr[:, None], mask=hm[None, :], other=0.0)  # [D_R, BLOCK_H]
+        if EXACT:
+            qnt = qnt.to(tl.float32)
+            qrt = qrt.to(tl.float32)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([D_V, BLOCK_H], tl.float32)  # transposed accumulator
+        n_lo = c * CHUNK
+        for n0 in range(0, CHUNK, BLOCK_N):
+            n = n_lo + n0 + tl.arange(0, BLOCK_N)
+            idx = tl.load(pos_ptr + r * pos_s0 + n, mask=n < K, other=-1).to(tl.int64)
+            kn, kr, valid = _split_dequant_tile(cache_ptr, bt_ptr, bt_s0, req, idx, num_blocks, max_blocks,
+                                                BLOCK_SIZE, BPT, D_V, D_R, EXACT)
+            if EXACT:
+                kn = kn.to(tl.float32)
+                kr = kr.to(tl.float32)
+            s = tl.dot(kn, qnt) + tl.dot(kr, qrt)  # [BLOCK_N, BLOCK_H] = scores^T
+            s = s * scale_log2
+            s = tl.where(valid[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[None, :])
+            l = l * alpha + tl.sum(p, axis=0)
+            pb = cast_bf16(p, EXACT)
+            if EXACT:
+                pb = pb.to(tl.float32)
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(kn), pb)  # [D_V, BLOCK_H]
+            m = m_new
+        prow = (r * NCH + c) * H + h  # [BLOCK_H] row of the [Q, NCH, H] partial arrays
+        tl.store(pm_ptr + prow, m, mask=hm)
+        tl.store(pl_ptr + prow, l, mask=hm)
+        # partial accumulators as [Q, NCH, D_V, H]: heads contiguous, the transposed tile stored as it is
+        tl.store(pacc_ptr + ((r * NCH + c) * D_V + dv[:, None]) * H + h[None, :], acc, mask=hm[None, :])
+
+    @triton.jit
+    def _split_merge_kernel(
+        pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, o_s0, o_s1, lse_ptr, lse_s0, H, NCH,
+        D_V: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr,
+    ):
+        # grid: (query row, head block). Combines the row's chunk partials in ascending chunk order.
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = h < H
+        dv = tl.arange(0, D_V)
+        mx = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for c in range(0, NCH):
+            mx = tl.maximum(mx, tl.load(pm_ptr + (r * NCH + c) * H + h, mask=hm, other=float("-inf")))
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D_V], tl.float32)
+        for c in range(0, NCH):
+            prow = (r * NCH + c) * H + h
+            mc = tl.load(pm_ptr + prow, mask=hm, other=float("-inf"))
+            w = tl.exp2(mc - mx_safe)  # 0 for an empty chunk (mc = -inf)
+            l = l + tl.load(pl_ptr + prow, mask=hm, other=0.0) * w
+            at = tl.load(pacc_ptr + ((r * NCH + c) * D_V + dv[:, None]) * H + h[None, :], mask=hm[None, :], other=0.0)
+            acc = acc + tl.trans(at) * w[:, None]
+        lonely = l == 0.0
+        l_safe = tl.where(lonely, 1.0, l)
+        lse2 = tl.where(lonely, 0.0, mx_safe + tl.log2(l_safe))
+        o = acc / l_safe[:, None]
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
+            o = o * (1.0 / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2)))[:, None]
+        o = tl.where(lonely[:, None], 0.0, o)
+        lse = tl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
+        tl.store(out_ptr + r * o_s0 + h[:, None] * o_s1 + dv[None, :], cast_bf16(o, EXACT), mask=hm[:, None])
+        tl.store(lse_ptr + r * lse_s0 + h, lse, mask=hm)
+
+
+def _check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope, d_rope, what):
+    _kv._check_dims(d_nope, d_rope)
+    _kv._check_cache(cache, d_nope, d_rope)
+    D = d_nope + d_rope
+    if q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[2] != D:
+        raise ValueError(f"zerodiff.sparse_attention[{what}]: q must be bf16 [Q, H, {D}], got {q.dtype} {tuple(q.shape)}")
+    Q, H, _ = q.shape
+    if positions.dtype != torch.int32 or positions.dim() != 2 or positions.shape[0] != Q:
+        raise ValueError(f"zerodiff.sparse_attention[{what}]: positions must be int32 [{Q}, W], got {positions.dtype} {tuple(positions.shape)}")
+    if req_ids.dtype != torch.int32 or tuple(req_ids.shape) != (Q,):
+        raise ValueError(f"zerodiff.sparse_attention[{what}]: req_ids must be int32 [{Q}], got {req_ids.dtype} {tuple(req_ids.shape)}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError(f"zerodiff.sparse_attention[{what}]: block_table must be int32 [B, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
+    if attn_sink is not None and (attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (H,)):
+        raise ValueError(f"zerodiff.sparse_attention[{what}]: attn_sink must be fp32 [{H}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
+    for name, t in (("q", q), ("cache", cache), ("block_table", block_table), ("req_ids", req_ids), ("positions", positions)):
+        if t.device != q.device:
+            raise ValueError(f"zerodiff.sparse_attention[{what}]: {name} is on {t.device}, q on {q.device}")
+
+
+def sparse_mla_attention_fp8_split(q, cache, block_table, req_ids, positions, sm_scale: float, *, attn_sink=None,
+                                   d_nope: int = 512, d_rope: int = 64, seq_lens=None, check: bool = True,
+                                   out=None, _config=None):
+    """The split-index fused FP8 read path (``backend="triton_fp8_split"``); see the module docstring.
+
+    ``_config`` (private) overrides the fixed launch configuration; only the benchmark's exploration and
+    the negative-control tests use it. Any other config gives different bits."""
+    require_triton()
+    if not triton_usable_for(q.device):
+        raise ValueError(f"zerodiff.sparse_attention[triton_fp8_split]: cannot run on {q.device} here "
+                         "(CPU tensors need TRITON_INTERPRET=1; CUDA tensors need it unset)")
+    _check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope, d_rope, "triton_fp8_split")
+    Q, H, _ = q.shape
+    if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (Q, H, d_nope) or out.stride(2) != 1):
+        raise ValueError(f"zerodiff.sparse_attention[triton_fp8_split]: out must be bf16 [{Q}, {H}, {d_nope}] "
+                         f"with unit last stride, got {out.dtype} {tuple(out.shape)}")
+    if check:
+        _kv._check_gather_values(cache, block_table, req_ids, positions, seq_lens)
+    cfg = split_config(d_nope, d_rope) if _config is None else dict(_config)
+    chunk, bn = int(cfg["CHUNK"]), int(cfg["BLOCK_N"])
+    if chunk <= 0 or bn <= 0 or chunk % bn:
+        raise ValueError(f"zerodiff.sparse_attention[triton_fp8_split]: CHUNK={chunk} must be a positive multiple of BLOCK_N={bn}")
+    if out is None:
+        out = torch.empty(Q, H, d_nope, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(Q, H, dtype=torch.float32, device=q.device)
+    if Q == 0:
+        return out, lse
+    K = positions.shape[1]
+    nch = max(triton.cdiv(K, chunk), 1)  # from the index-list width (model limit), never from the batch
+    q = q if q.stride(2) == 1 else q.contiguous()
+    positions = positions if positions.stride(1) == 1 else positions.contiguous()
+    block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    req_ids = req_ids.contiguous()
+    pm = torch.empty(Q, nch, H, dtype=torch.float32, device=q.device)
+    pl = torch.empty(Q, nch, H, dtype=torch.float32, device=q.device)
+    pacc = torch.empty(Q, nch, d_nope, H, dtype=torch.float32, device=q.device)
+    _split_partial_kernel[(Q, triton.cdiv(H, cfg["BLOCK_H"]), nch)](
+        q, q.stride(0), q.stride(1), positions, positions.stride(0), req_ids, cache, block_table,
+        block_table.stride(0), pm, pl, pacc, H, K, nch, cache.shape[0], block_table.shape[1],
+        float(sm_scale) * LOG2E,
+        D_V=d_nope, D_R=d_rope, BLOCK_SIZE=cache.shape[1], BPT=cache.shape[2],
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_N=bn, CHUNK=chunk, EXACT=_triton.EXACT_CASTS,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH_OPTS,
+    )
+    sink = attn_sink if attn_sink is not None else lse  # dummy pointer when HAS_SINK is false
+    _split_merge_kernel[(Q, triton.cdiv(H, cfg["MERGE_BH"]))](
+        pm, pl, pacc, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), H, nch,
+        D_V=d_nope, HAS_SINK=attn_sink is not None, BLOCK_H=cfg["MERGE_BH"], EXACT=_triton.EXACT_CASTS,
+        num_warps=cfg["merge_warps"], **LAUNCH_OPTS,
+    )
+    return out, lse
 
 
 def default_sm_scale(d_qk: int = 576) -> float:
