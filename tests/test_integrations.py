@@ -770,3 +770,21 @@ def test_gpu_act_scale_layout_matches_deepgemm():
         _, s_rows = silu_mul_quant_fp8(x)
         ref = dg.get_mn_major_tma_aligned_tensor(s_rows)
         assert torch.equal(s, ref) and s.stride() == ref.stride(), M
+
+
+def test_vllm_silu_mul(seeded):
+    from zerodiff.reference.silu_mul_quant import silu_mul_ref
+
+    g = seeded()
+    x = (torch.randn(2, 3, 256, generator=g) * 4).to(torch.bfloat16)
+    y = zv.silu_mul(x, 7.0)
+    assert y.shape == (2, 3, 128) and torch.equal(y.reshape(6, 128), silu_mul_ref(x.reshape(6, 256), clamp_limit=7.0))
+    assert torch.equal(zv.silu_mul(x).reshape(6, 128), silu_mul_ref(x.reshape(6, 256)))
+    # the training side's SwiGLU gives the same bits
+    assert torch.equal(zm.swiglu(x, 7.0), y)
+    # negative control: vLLM's native two-rounding path differs on these inputs
+    d = 128
+    gate, up = x[..., :d].clamp(max=7.0), x[..., d:].clamp(-7.0, 7.0)
+    assert not torch.equal(gate * torch.sigmoid(gate) * up, y)
+    with pytest.raises(ConfigError, match="alpha"):
+        zv.silu_mul(x, 7.0, alpha=1.702)

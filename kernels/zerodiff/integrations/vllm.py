@@ -66,6 +66,8 @@ Adapters (upstream tensors/layouts -> zerodiff ops)
   training loss ``-token_logprobs``.
 * ``fp8_block_linear(x, weight, weight_scale, bias=None, *, ue8m0=False)``: ``zerodiff.ops.fp8_gemm.fp8_linear``
   for block-FP8 linears (one M-independent kernel choice per (N, K)).
+* ``silu_mul(x, clamp_limit=None, *, alpha=1.0, beta=0.0)``: ``zerodiff.ops.silu_mul_quant.silu_mul`` for
+  ``SiluAndMul`` / ``SiluAndMulWithClamp`` (one BF16 rounding).
 * ``expert_routing(router_logits, top_k, *, scoring_func, bias, renormalize, routed_scaling_factor,
   indices_type)``: ``zerodiff.ops.moe.route`` for ``FusedTopKBiasRouter`` (deterministic expert top-k).
 Adapters called inside vLLM's compiled model forward (router, RMSNorm, FP8 linear) run through torch custom ops
@@ -100,6 +102,7 @@ __all__ = [
     "fix_sampled_logprobs",
     "fp8_block_linear",
     "expert_routing",
+    "silu_mul",
 ]
 
 ALLOWED_CUDAGRAPH_MODES = ("NONE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -459,8 +462,18 @@ def _ops() -> dict:
     def _(x, w, s, ue8m0):
         return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)
 
+    @custom_op(f"{_LIB}::silu_mul", mutates_args=())
+    def _silu_mul(x: torch.Tensor, clamp_limit: float | None) -> torch.Tensor:
+        from ..ops.silu_mul_quant import silu_mul as zd_silu_mul
+
+        return zd_silu_mul(x, clamp_limit=clamp_limit)
+
+    @_silu_mul.register_fake
+    def _(x, clamp_limit):
+        return x.new_empty((x.shape[0], x.shape[1] // 2))
+
     _OPS.update(router_logits=_router_logits, rms_norm=_rms_norm, rms_norm_residual=_rms_norm_residual,
-                fp8_block_linear=_fp8_block_linear)
+                fp8_block_linear=_fp8_block_linear, silu_mul=_silu_mul)
     return _OPS
 
 
@@ -598,3 +611,21 @@ def expert_routing(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
                    renormalize=bool(renormalize) and top_k > 1,
                    routed_scale=float(routed_scaling_factor or 1.0))
     return w, ids.to(indices_type or torch.int32)
+
+
+# ------------------------------------------------------------------------------------- SwiGLU activation
+def silu_mul(x: torch.Tensor, clamp_limit: float | None = None, *, alpha: float = 1.0,
+             beta: float = 0.0) -> torch.Tensor:
+    """Replacement for ``SiluAndMul`` / ``SiluAndMulWithClamp`` (dense MLPs, shared experts):
+    ``zerodiff.ops.silu_mul_quant.silu_mul`` (SiLU and the product in FP32, ONE rounding to BF16; the clamp
+    as vLLM applies it), the value the training side's SwiGLU computes. Only ``alpha=1, beta=0``."""
+    if float(alpha) != 1.0 or float(beta) != 0.0:
+        raise ConfigError(f"zerodiff SwiGLU: alpha={alpha} / beta={beta} is not supported in consistency mode")
+    if x.dtype != torch.bfloat16:
+        raise ConfigError(f"zerodiff SwiGLU: input must be bfloat16 in consistency mode, got {x.dtype}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = _op("silu_mul")(x2, None if clamp_limit is None else float(clamp_limit))
+    return out.view(*lead, out.shape[-1])
