@@ -211,6 +211,125 @@ def test_bad_inputs(seeded):
                                 torch.tensor([[40, -1]], dtype=torch.int32), 0.1, **SMALL)
 
 
+# ------------------------------------------------------------- split-index fused FP8 kernel ("triton_fp8_split")
+SPLIT = dict(**SMALL, backend="triton_fp8_split")
+
+
+def _split_inputs(g, lens=(90, 45), W=72, H=16, adversarial=True):
+    """Small-dims cache + per-row positions crossing the small config's chunk boundaries (CHUNK=32)."""
+    cache, bt = _request_cache(g, list(lens), SMALL)
+    pos = torch.cat([_causal_positions(g, L, W) for L in lens])
+    req = torch.cat([torch.full((L,), b, dtype=torch.int32) for b, L in enumerate(lens)])
+    q = torch.randn(len(req), H, 144, generator=g).to(torch.bfloat16)
+    if adversarial:
+        q[:, 0, :8] = -0.0  # signed zeros
+        q[:, 1, 8:16] = 1e-40  # denormals (flushed or not, the same kernel decides for every phase)
+        q[:, 2] = q[:, 3]  # two heads with identical scores (ties)
+    return cache, bt, pos, req, q
+
+
+def test_split_config_is_fixed_per_model_shape():
+    full = sa.split_config(512, 64)
+    assert full == sa.split_config(512, 64) and full["CHUNK"] % full["BLOCK_N"] == 0
+    assert sa.split_config(128, 16)["CHUNK"] == 32  # small dims (interpreter tests) cross chunks at short K
+    import inspect
+
+    params = inspect.signature(sa.split_config).parameters
+    assert set(params) == {"d_nope", "d_rope"}, "the split config may depend on the model shape only"
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_split_matches_reference_chunk_boundaries(seeded, with_sink):
+    """vs the float64 reference, with K = 72 (chunks of 32, 32, 8), a fully empty chunk, -1 interleaved,
+    a lonely row, duplicated positions (exact score ties) and signed zeros / denormals in q."""
+    g = seeded()
+    cache, bt, pos, req, q = _split_inputs(g)
+    rows = torch.tensor([89, 60, 3, 120, 100, 0])
+    pos, req, q = pos[rows].clone(), req[rows].clone(), q[rows].contiguous()
+    pos[0, 32:64] = -1  # the whole middle chunk empty
+    pos[1, 1::3] = -1  # interleaved
+    pos[2, :] = -1  # lonely row
+    pos[3, 40:44] = pos[3, 0]  # the same position four more times: ties
+    pos[4, 64:] = -1  # the short last chunk empty
+    sink = torch.linspace(-2, 2, 16) if with_sink else None
+    o, l = sa.sparse_mla_attention(q, cache, bt, req, pos, 0.13, attn_sink=sink, **SPLIT)
+    ws = kc.gather_kv(cache, bt, req, pos, **SMALL, backend="reference")
+    ro, rl = sparse_attention_ref(q, ws.view(-1, 144), kc.workspace_indices(pos), 0.13, d_v=128,
+                                  attn_sink=sink, return_fp64=True)
+    assert o.dtype == torch.bfloat16 and l.dtype == torch.float32 and o.shape == (6, 16, 128)
+    assert torch.allclose(o.double(), ro, atol=2e-2, rtol=2e-2)
+    fin = torch.isfinite(rl)
+    assert torch.equal(fin, torch.isfinite(l))
+    assert torch.allclose(l.double()[fin], rl[fin], atol=1e-4, rtol=1e-5)
+    assert bool((o[2] == 0).all()) and bool((l[2] == float("inf")).all())
+    assert torch.equal(_bits(o[3, 2]), _bits(o[3, 3])) and torch.equal(l[3, 2], l[3, 3])  # tied heads
+
+
+def test_split_victim_in_batch_and_decode_equals_prefill(seeded):
+    """A row's bits do not depend on the batch around it, its position in the batch, or the phase: alone
+    (decode), among other requests' rows at the front / middle / end of batches of several sizes, and inside
+    a prefill batch of its own request; two rounds with fresh inputs."""
+    for rnd in range(2):
+        g = seeded(f"round{rnd}")
+        cache, bt, pos, req, q = _split_inputs(g, lens=(70, 40), W=72)
+        victim = 69  # last token of request 0: a full 72-entry index list (3 chunks)
+        alone = sa.sparse_mla_attention(q[victim:victim + 1], cache, bt, req[victim:victim + 1],
+                                        pos[victim:victim + 1], 0.2, **SPLIT)
+        fillers = torch.randperm(len(req), generator=g)
+        fillers = fillers[fillers != victim]
+        for B in (2, 5, 9):
+            for where in sorted({0, B // 2, B - 1}):
+                f = fillers[: B - 1]
+                rows = torch.cat([f[:where], torch.tensor([victim]), f[where:]])
+                o, l = sa.sparse_mla_attention(q[rows], cache, bt, req[rows], pos[rows], 0.2, **SPLIT)
+                assert torch.equal(_bits(o[where]), _bits(alone[0][0])), (rnd, B, where)
+                assert torch.equal(_bits(l[where]), _bits(alone[1][0])), (rnd, B, where)
+        pre = sa.sparse_mla_attention(q[60:70], cache, bt, req[60:70], pos[60:70], 0.2, **SPLIT)  # prefill chunk
+        assert _same((pre[0][9:10], pre[1][9:10]), alone)
+
+
+def test_split_negative_control_batch_dependent_split_changes_bits(seeded):
+    """The invariance above is not vacuous: a split whose chunk size a batch heuristic would pick (e.g. one
+    chunk per row at large batches, or 16-entry chunks at small ones) gives different bits on the same rows;
+    and so does reversing the index order. Both agree to rounding."""
+    g = seeded()
+    cache, bt, pos, req, q = _split_inputs(g, adversarial=False)
+    rows = torch.tensor([89, 80, 70, 130, 120])
+    q, req, pos = q[rows].contiguous(), req[rows].contiguous(), pos[rows].contiguous()
+    ours = sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, 0.3, **SMALL)
+    for chunk in (16, 128):
+        cfg = dict(sa.split_config(128, 16), CHUNK=chunk)
+        other = sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, 0.3, **SMALL, _config=cfg)
+        assert not torch.equal(_bits(ours[0]), _bits(other[0])), f"CHUNK={chunk} gave the same bits: control proves nothing"
+        assert torch.allclose(ours[0].float(), other[0].float(), atol=2e-2, rtol=2e-2)
+    rev = sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos.flip(-1).contiguous(), 0.3, **SMALL)
+    assert not torch.equal(_bits(ours[0]), _bits(rev[0]))
+
+
+def test_split_bad_inputs(seeded):
+    g = seeded()
+    cache, bt, pos, req, q = _split_inputs(g, lens=(20,), W=8, H=4, adversarial=False)
+    q2, r2, p2 = q[:2].contiguous(), req[:2].contiguous(), pos[:2].clone()
+    p2[0, 0] = 7 * 8 + 1  # past the 3-block table of request 0
+    with pytest.raises(ValueError, match="longer than the table"):
+        sa.sparse_mla_attention(q2, cache, bt, r2, p2, 0.1, **SPLIT)
+    o, _ = sa.sparse_mla_attention(q2, cache, bt, r2, p2, 0.1, check=False, **SPLIT)
+    assert bool(o[0].isnan().all()) and not bool(o[1].isnan().any()), "an unchecked bad slot must poison only its row"
+    with pytest.raises(ValueError, match="positions must be int32"):
+        sa.sparse_mla_attention_fp8_split(q2, cache, bt, r2, pos[:2].long(), 0.1, **SMALL)
+    with pytest.raises(ValueError, match="q must be bf16"):
+        sa.sparse_mla_attention_fp8_split(q2.float(), cache, bt, r2, pos[:2], 0.1, **SMALL)
+    with pytest.raises(ValueError, match="attn_sink"):
+        sa.sparse_mla_attention_fp8_split(q2, cache, bt, r2, pos[:2], 0.1, attn_sink=torch.zeros(3), **SMALL)
+    with pytest.raises(ValueError, match="CHUNK"):
+        sa.sparse_mla_attention_fp8_split(q2, cache, bt, r2, pos[:2], 0.1, **SMALL,
+                                          _config=dict(sa.split_config(128, 16), CHUNK=24))
+    with pytest.raises(ValueError, match="gather_backend"):
+        sa.sparse_mla_attention(q2, cache, bt, r2, pos[:2], 0.1, gather_backend="reference", **SPLIT)
+    with pytest.raises(ValueError, match="d_nope"):
+        sa.sparse_mla_attention_fp8_split(q2, cache, bt, r2, pos[:2], 0.1, d_nope=96, d_rope=16)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 GPU_H, GPU_TOPK = 64, 2048
 
