@@ -364,7 +364,7 @@ def _need_flashmla():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flashmla", "triton"])
+@pytest.mark.parametrize("backend", ["flashmla", "triton", "triton_fp8_split"])
 def test_gpu_kernel_matches_reference(backend):
     if backend == "flashmla":
         _need_flashmla()
@@ -382,7 +382,7 @@ def test_gpu_kernel_matches_reference(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flashmla", "triton"])
+@pytest.mark.parametrize("backend", ["flashmla", "triton", "triton_fp8_split"])
 def test_gpu_victim_in_batch_and_decode_equals_prefill(backend):
     if backend == "flashmla":
         _need_flashmla()
@@ -419,7 +419,7 @@ def test_gpu_victim_in_batch_and_decode_equals_prefill(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flashmla", "triton"])
+@pytest.mark.parametrize("backend", ["flashmla", "triton", "triton_fp8_split"])
 def test_gpu_cuda_graph_replay_equals_eager_repeated(backend):
     if backend == "flashmla":
         _need_flashmla()
@@ -447,7 +447,7 @@ def test_gpu_cuda_graph_replay_equals_eager_repeated(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flashmla", "triton"])
+@pytest.mark.parametrize("backend", ["flashmla", "triton", "triton_fp8_split"])
 def test_gpu_negative_control_reversed_order(backend):
     if backend == "flashmla":
         _need_flashmla()
@@ -502,3 +502,72 @@ def test_gpu_fused_fp8_triton_equals_workspace_triton_and_is_batch_invariant():
     for r in (0, 3, 64):
         one = sa.sparse_mla_attention_fp8(q[r : r + 1], cache, bt, req[r : r + 1], pos[r : r + 1], sc, attn_sink=sink)
         assert torch.equal(one[0][0], fused[0][r]) and torch.equal(one[1][0], fused[1][r])
+
+
+@pytest.mark.gpu
+def test_gpu_split_chunk_boundaries_128_heads_and_batch_dependent_split_negative_control():
+    """Real dims: top-k width 2000 (not a multiple of CHUNK), an empty chunk, -1 interleaved, a lonely row;
+    128 heads (4 head blocks) row alone == in batch; and the negative control: the split a batch heuristic
+    would choose (one chunk per row, or 128-entry chunks) changes the bits of the same rows."""
+    B, K = 33, 2000
+    cache, bt, pos, q = _gpu_setup(B, 8192, seed=11)
+    pos = pos[:, :K].contiguous()
+    pos[1, 256:512] = -1
+    pos[2, 1::5] = -1
+    pos[3, :] = -1
+    req = torch.arange(B, dtype=torch.int32, device="cuda")
+    sc = 1 / math.sqrt(576)
+    sink = torch.linspace(-1, 1, GPU_H, device="cuda")
+    o, l = sa.sparse_mla_attention(q, cache, bt, req, pos, sc, attn_sink=sink, backend="triton_fp8_split")
+    ws = kc.gather_kv(cache, bt, req[:8], pos[:8])
+    ro, rl = sparse_attention_ref(q[:8].cpu(), ws.view(-1, 576).cpu(), kc.workspace_indices(pos[:8]).cpu(), sc,
+                                  attn_sink=sink.cpu(), return_fp64=True)
+    assert torch.allclose(o[:8].cpu().double(), ro, atol=2e-2, rtol=2e-2)
+    fin = torch.isfinite(rl)
+    assert torch.allclose(l[:8].cpu().double()[fin], rl[fin], atol=1e-3, rtol=1e-4)
+    assert bool((o[3] == 0).all()) and bool(torch.isinf(l[3]).all())
+    for r in (0, 1, 2, 32):
+        one = sa.sparse_mla_attention(q[r : r + 1], cache, bt, req[r : r + 1], pos[r : r + 1], sc, attn_sink=sink,
+                                      backend="triton_fp8_split")
+        assert torch.equal(one[0][0], o[r]) and torch.equal(one[1][0], l[r]), r
+    # 128 heads
+    q128 = torch.cat([q, q.flip(1)], 1).contiguous()
+    s128 = torch.cat([sink, -sink])
+    big = sa.sparse_mla_attention(q128, cache, bt, req, pos, sc, attn_sink=s128, backend="triton_fp8_split")
+    for r in (0, 17):
+        one = sa.sparse_mla_attention(q128[r : r + 1], cache, bt, req[r : r + 1], pos[r : r + 1], sc,
+                                      attn_sink=s128, backend="triton_fp8_split")
+        assert torch.equal(one[0][0], big[0][r]) and torch.equal(one[1][0], big[1][r]), r
+    # negative control: batch-dependent split sizes
+    rows = torch.tensor([0, 4, 9], device="cuda")
+    for chunk in (128, 2048):
+        cfg = dict(sa.split_config(), CHUNK=chunk)
+        other = sa.sparse_mla_attention_fp8_split(q[rows], cache, bt, req[rows], pos[rows], sc, attn_sink=sink,
+                                                  _config=cfg)
+        assert not torch.equal(other[0], o[rows]), f"CHUNK={chunk} gave the same bits: the control proves nothing"
+        assert torch.allclose(other[0].float(), o[rows].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_split_prefill_rows_equal_decode_rows_repeated():
+    """Prefill-shaped call (1024 rows of one request, causal top-k) vs the same rows as single decode rows and
+    as a shuffled 64-row batch, 3 rounds (the stock decode kernel's batch dependence, the negative control for
+    this claim, is test_gpu_stock_fp8_decode_reads_our_cache_and_is_batch_dependent)."""
+    cache, bt, pos, q = _gpu_setup(1, 8192, seed=13)
+    T = 1024
+    base = pos[0]
+    lim = 8192 - T + torch.arange(T, device="cuda")
+    skip = (base[None, :] > lim[:, None]).sum(1)
+    j = torch.arange(GPU_TOPK, device="cuda")[None, :] + skip[:, None]
+    pp = torch.where(j < GPU_TOPK, base[j.clamp(max=GPU_TOPK - 1)], torch.full_like(j, -1)).to(torch.int32)
+    qq = (torch.randn(T, GPU_H, 576, device="cuda") * 0.5).to(torch.bfloat16)
+    req = torch.zeros(T, dtype=torch.int32, device="cuda")
+    sc = 1 / math.sqrt(576)
+    pre = sa.sparse_mla_attention(qq, cache, bt, req, pp, sc, backend="triton_fp8_split")
+    for rnd in range(3):
+        for t in (0, 511, 1023):
+            d = sa.sparse_mla_attention(qq[t : t + 1], cache, bt, req[:1], pp[t : t + 1], sc, backend="triton_fp8_split")
+            assert torch.equal(d[0][0], pre[0][t]) and torch.equal(d[1][0], pre[1][t]), (rnd, t)
+        sel = torch.randperm(T, device="cuda")[:64]
+        mixed = sa.sparse_mla_attention(qq[sel], cache, bt, req[sel], pp[sel], sc, backend="triton_fp8_split")
+        assert torch.equal(mixed[0], pre[0][sel]) and torch.equal(mixed[1], pre[1][sel]), rnd
