@@ -611,12 +611,20 @@ def sparse_mla_attention_fp8_split(q, cache, block_table, req_ids, positions, sm
     lse = torch.empty(Q, H, dtype=torch.float32, device=q.device)
     if Q == 0:
         return out, lse
-    K = positions.shape[1]
-    nch = max(triton.cdiv(K, chunk), 1)  # from the index-list width (model limit), never from the batch
     q = q if q.stride(2) == 1 else q.contiguous()
     positions = positions if positions.stride(1) == 1 else positions.contiguous()
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    req_ids = req_ids.contiguous()
+    parts = _split_partials(q, cache, block_table, req_ids.contiguous(), positions, sm_scale, d_nope, d_rope, cfg)
+    _split_merge(parts, attn_sink, out, lse, cfg)
+    return out, lse
+
+
+def _split_partials(q, cache, block_table, req_ids, positions, sm_scale, d_nope, d_rope, cfg):
+    """Launch 1 of 2: per (row, head block, chunk) partials (m, l, acc) in fp32. Internal (the benchmark times it)."""
+    Q, H, _ = q.shape
+    K = positions.shape[1]
+    chunk = int(cfg["CHUNK"])
+    nch = max(triton.cdiv(K, chunk), 1)  # from the index-list width (a model limit), never from the batch
     pm = torch.empty(Q, nch, H, dtype=torch.float32, device=q.device)
     pl = torch.empty(Q, nch, H, dtype=torch.float32, device=q.device)
     pacc = torch.empty(Q, nch, d_nope, H, dtype=torch.float32, device=q.device)
@@ -625,13 +633,20 @@ def sparse_mla_attention_fp8_split(q, cache, block_table, req_ids, positions, sm
         block_table.stride(0), pm, pl, pacc, H, K, nch, cache.shape[0], block_table.shape[1],
         float(sm_scale) * LOG2E,
         D_V=d_nope, D_R=d_rope, BLOCK_SIZE=cache.shape[1], BPT=cache.shape[2],
-        BLOCK_H=cfg["BLOCK_H"], BLOCK_N=bn, CHUNK=chunk, EXACT=_triton.EXACT_CASTS,
+        BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], CHUNK=chunk, EXACT=_triton.EXACT_CASTS,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH_OPTS,
     )
+    return pm, pl, pacc
+
+
+def _split_merge(parts, attn_sink, out, lse, cfg):
+    """Launch 2 of 2: combine a row's chunk partials in ascending chunk order, sink, bf16 out + lse."""
+    pm, pl, pacc = parts
+    Q, nch, H = pm.shape
     sink = attn_sink if attn_sink is not None else lse  # dummy pointer when HAS_SINK is false
     _split_merge_kernel[(Q, triton.cdiv(H, cfg["MERGE_BH"]))](
         pm, pl, pacc, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), H, nch,
-        D_V=d_nope, HAS_SINK=attn_sink is not None, BLOCK_H=cfg["MERGE_BH"], EXACT=_triton.EXACT_CASTS,
+        D_V=pacc.shape[2], HAS_SINK=attn_sink is not None, BLOCK_H=cfg["MERGE_BH"], EXACT=_triton.EXACT_CASTS,
         num_warps=cfg["merge_warps"], **LAUNCH_OPTS,
     )
     return out, lse
