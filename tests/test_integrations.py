@@ -788,3 +788,31 @@ def test_vllm_silu_mul(seeded):
     assert not torch.equal(gate * torch.sigmoid(gate) * up, y)
     with pytest.raises(ConfigError, match="alpha"):
         zv.silu_mul(x, 7.0, alpha=1.702)
+
+
+def test_megatron_parallel_linear_fp8(seeded):
+    from zerodiff.ops.fp8_gemm import fp8_linear
+    from zerodiff.ops.fp8_quant import Fp8Weight
+
+    g = seeded()
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256, bias=False), torch.nn.Linear(256, 128, bias=False))
+    model = model.to(torch.bfloat16)
+    assert zm.mark_fp8_linears(model, lambda name, m: name == "0") == ["0"]
+    lin = model[0]
+    assert getattr(lin, zm.FP8_ATTR) and not getattr(model[1], zm.FP8_ATTR, False)
+    x = torch.randn(3, 5, 128, generator=g).to(torch.bfloat16).requires_grad_(True)
+    y, b = zm.parallel_linear_fp8(lin, x)
+    assert b is None and y.shape == (3, 5, 256)
+    assert torch.equal(y.detach().reshape(15, 256), fp8_linear(x.detach().reshape(15, 128),
+                                                                  Fp8Weight.from_master(lin.weight.detach())))
+    y.float().sum().backward()
+    assert lin.weight.grad is not None and x.grad is not None
+    q_ptr = lin._zerodiff_fp8_weight.q.data_ptr()
+    with torch.no_grad():
+        lin.weight.mul_(0.5)  # optimizer step: next forward requantises in place
+    y2, _ = zm.parallel_linear_fp8(lin, x.detach())
+    assert lin._zerodiff_fp8_weight.q.data_ptr() == q_ptr
+    assert torch.equal(y2.reshape(15, 256), fp8_linear(x.detach().reshape(15, 128),
+                                                       Fp8Weight.from_master(lin.weight.detach())))
+    with pytest.raises(ConfigError, match="bfloat16"):
+        zm.parallel_linear_fp8(torch.nn.Linear(128, 8, bias=False), x.detach())

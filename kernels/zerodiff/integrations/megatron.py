@@ -54,6 +54,9 @@ Autograd wrappers (public)
 * ``Fp8Linear`` / ``fp8_linear(x, master_weight, fp8_weight)``: forward ``zerodiff.ops.fp8_gemm.fp8_linear``
   on the deployment bytes (``Fp8Weight`` requantised from the BF16 master by the deployment rule); backward
   straight-through: FP32 ``grad @ W_master`` and ``grad^T @ x`` w.r.t. the BF16 master.
+* ``mark_fp8_linears(model, predicate)`` / ``parallel_linear_fp8(module, x, weight=None)``: Megatron's
+  ``ColumnParallelLinear`` / ``RowParallelLinear`` marked ``zerodiff_fp8 = True`` run :func:`fp8_linear`
+  with a per-module deployment copy requantised in place whenever the master's version changes.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ __all__ = [
     "token_logprobs",
     "fp8_linear",
     "Fp8Linear",
+    "FP8_ATTR",
+    "mark_fp8_linears",
+    "parallel_linear_fp8",
 ]
 
 _SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -547,3 +553,49 @@ class Fp8Linear(torch.nn.Module):
             raise WeightVersionError("zerodiff Fp8Linear: the master weight changed since the last refresh(); "
                                      "call refresh() after the optimizer step")
         return fp8_linear(x, self.weight, self.fp8)
+
+
+# ------------------------------------------------------------------------------- parallel linear layers
+#: attribute a model builder sets on a ColumnParallelLinear / RowParallelLinear whose rollout twin is a
+#: block-FP8 linear (the checkpoint quantised it); see :func:`mark_fp8_linears`.
+FP8_ATTR = "zerodiff_fp8"
+
+
+def mark_fp8_linears(model: torch.nn.Module, predicate) -> list[str]:
+    """Set ``zerodiff_fp8 = True`` on every submodule for which ``predicate(name, module)`` is true (pick the
+    layers the rollout runs as block-FP8 linears, e.g. from the checkpoint's quantisation config). Returns
+    the names marked."""
+    names = []
+    for name, mod in model.named_modules():
+        if hasattr(mod, "weight") and predicate(name, mod):
+            setattr(mod, FP8_ATTR, True)
+            names.append(name)
+    return names
+
+
+@torch.no_grad()
+def _deployment(module: torch.nn.Module, weight: torch.Tensor):
+    """The module's block-FP8 deployment copy of ``weight``, requantised IN PLACE (same storage: CUDA graphs
+    keep their addresses) whenever the master's version changed since the last quantisation."""
+    from ..ops.fp8_quant import Fp8Weight
+
+    fp8 = getattr(module, "_zerodiff_fp8_weight", None)
+    if fp8 is None or tuple(fp8.q.shape) != tuple(weight.shape) or fp8.q.device != weight.device:
+        fp8 = Fp8Weight.from_master(weight.detach())
+        module._zerodiff_fp8_weight = fp8
+    elif getattr(module, "_zerodiff_fp8_version", None) != weight._version:
+        fp8.requantize_(weight.detach())
+    module._zerodiff_fp8_version = weight._version
+    return fp8
+
+
+def parallel_linear_fp8(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None):
+    """The patched ``ColumnParallelLinear.forward`` / ``RowParallelLinear.forward`` for layers marked
+    ``zerodiff_fp8`` (TP = 1): ``(fp8_linear(x, master, deployment), None)`` with the straight-through
+    backward of :func:`fp8_linear`. Biases are refused (the guard refuses ``add_bias_linear``)."""
+    w = module.weight if weight is None else weight
+    if getattr(module, "bias", None) is not None:
+        raise ConfigError("zerodiff FP8 linear: a bias is not supported in consistency mode")
+    if w.dtype != torch.bfloat16:
+        raise ConfigError(f"zerodiff FP8 linear: the master weight must be bfloat16 (Float16Module), got {w.dtype}")
+    return fp8_linear(x, w, _deployment(module, w)), None
