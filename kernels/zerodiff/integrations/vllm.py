@@ -70,13 +70,14 @@ Adapters (upstream tensors/layouts -> zerodiff ops)
   ``SiluAndMul`` / ``SiluAndMulWithClamp`` (one BF16 rounding).
 * ``expert_routing(router_logits, top_k, *, scoring_func, bias, renormalize, routed_scaling_factor,
   indices_type)``: ``zerodiff.ops.moe.route`` for ``FusedTopKBiasRouter`` (deterministic expert top-k).
-Adapters called inside vLLM's compiled model forward (router, RMSNorm, FP8 linear) run through torch custom ops
-(``zerodiff_vllm::*``) so Dynamo treats them as opaque.
+Adapters called inside vLLM's compiled model forward (router, RMSNorm, FP8 linear, SwiGLU) run through torch
+custom ops (``zerodiff_vllm::*``) so Dynamo treats them as opaque. The others are called from code vLLM
+already runs outside the compiled graph (the indexer and MoE custom ops, the sampler).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -463,7 +464,7 @@ def _ops() -> dict:
         return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.bfloat16)
 
     @custom_op(f"{_LIB}::silu_mul", mutates_args=())
-    def _silu_mul(x: torch.Tensor, clamp_limit: float | None) -> torch.Tensor:
+    def _silu_mul(x: torch.Tensor, clamp_limit: Optional[float]) -> torch.Tensor:
         from ..ops.silu_mul_quant import silu_mul as zd_silu_mul
 
         return zd_silu_mul(x, clamp_limit=clamp_limit)
