@@ -1,16 +1,25 @@
 """Sparse MLA attention over the FP8 KV cache: our one read path vs the stock kernels.
 
 decode (one query row per request, 64 heads, d_qk 576, d_v 512, top-k 2048, 656-byte FP8 cache):
-  stock  = FlashMLA's FP8 sparse decode ``flash_mla_with_kvcache(is_fp8_kvcache=True)`` (batch-dependent)
-  ours   = ``sparse_mla_attention(backend="flashmla")``: Triton gather+dequant into the per-row BF16
-           workspace, then ``flash_mla_sparse_fwd`` (columns gather_ms / sparse_fwd_ms split it);
-  also   = the Triton fallback over the workspace (triton_ms) and reading FP8 directly (triton_fp8_ms).
-  Each in eager mode and replayed from a CUDA graph (how the rollout runs decode).
-prefill (rows of one request, each attending to its own top-k):
-  stock  = vLLM-style: dequantise the request's cache with torch ops, then ``flash_mla_sparse_fwd``
-  ours   = ``sparse_mla_attention(workspace="per_request")`` (and "per_row" in per_row_ms).
+  stock     = FlashMLA's FP8 sparse decode ``flash_mla_with_kvcache(is_fp8_kvcache=True)`` with its
+              ``get_mla_metadata`` scheduler (batch-dependent split-KV; the frozen baseline)
+  ours      = ``sparse_mla_attention(backend="triton_fp8_split")``: the split-index fused FP8 kernel (reads the
+              cache in place, fixed chunks of the index list, fixed-order merge); columns split_partial_ms /
+              split_merge_ms time its two launches alone
+  workspace = ``sparse_mla_attention(backend="flashmla")``: Triton gather+dequant into the per-row BF16
+              workspace + ``flash_mla_sparse_fwd`` (columns gather_ms / sparse_fwd_ms split it)
+  stock_bi  = the stock decode kernel with ``enable_batch_invariant=True`` (no split-KV), for reference, with
+              a probe of its row invariance (stock_bi_diff_alone_vs_batch: differing values of row 0 alone vs
+              in the batch; stock_diff_alone_vs_batch the same for the default stock kernel)
+  Each in eager mode and replayed from a CUDA graph (how the rollout runs decode). Rows: "decode_split[...]"
+  (ours vs stock) and "decode_workspace[...]" (workspace path vs stock).
+prefill (T rows of one request, each attending to its own causal top-k):
+  stock     = vLLM-style: dequantise the request's cache with torch ops, then ``flash_mla_sparse_fwd``
+  ours      = the split kernel; workspace_ms = ``sparse_mla_attention(backend="flashmla", workspace="per_request")``
+--sweep (not in --quick): times alternative split configurations (exploration; any change of the shipped
+  config changes bits and must be made for rollout and training together).
 
-Usage: python benchmarks/bench_sparse_attention.py --json out.json [--quick]
+Usage: python benchmarks/bench_sparse_attention.py --json out.json [--quick] [--sweep]
 """
 
 from __future__ import annotations
@@ -29,7 +38,16 @@ from zerodiff.ops import kv_cache as kc  # noqa: E402
 from zerodiff.ops import sparse_attention as sa  # noqa: E402
 
 H, DQK, DV, BS = 64, 576, 512, 64
-STOCK = "flash_mla_with_kvcache (FlashMLA FP8 sparse decode)"
+STOCK = "flash_mla_with_kvcache (FlashMLA FP8 sparse decode, get_mla_metadata scheduler)"
+SWEEP = [  # (BLOCK_H, BLOCK_N, CHUNK, num_warps, num_stages); the first is the shipped config
+    (32, 16, 256, 8, 2),
+    (32, 16, 128, 8, 2),
+    (32, 16, 512, 8, 2),
+    (32, 16, 256, 8, 1),
+    (16, 32, 256, 8, 1),
+    (16, 16, 256, 4, 2),
+    (64, 16, 256, 8, 1),
+]
 
 
 def make_cache(B, ctx, gen_seed=0):
@@ -87,6 +105,35 @@ def safe_ms(fn, errors, name, **kw):
         return float("nan")
 
 
+def _r(x):
+    return None if x != x else round(x, 5)
+
+
+def stock_decode_fn(fm, q, cache, slots, sc, batch_invariant=False):
+    """A stock decode call with its own scheduler metadata (the metadata is bound to shapes and options)."""
+    meta, _ = fm.get_mla_metadata()
+    qs = q[:, None].contiguous()
+    kcache = cache.unsqueeze(-2)
+    idx = slots[:, None].contiguous()
+    kw = dict(enable_batch_invariant=True) if batch_invariant else {}
+
+    def call():
+        return fm.flash_mla_with_kvcache(qs, kcache, None, None, DV, meta, softmax_scale=sc, is_fp8_kvcache=True,
+                                         indices=idx, **kw)
+
+    return call
+
+
+def probe_stock_invariance(fm, q, cache, slots, sc, batch_invariant):
+    """Values of row 0 that differ alone vs inside the full batch (-1 when the call fails)."""
+    try:
+        full = stock_decode_fn(fm, q, cache, slots, sc, batch_invariant)()[0][:, 0]
+        alone = stock_decode_fn(fm, q[:1], cache, slots[:1], sc, batch_invariant)()[0][:, 0]
+        return int((full[0] != alone[0]).sum())
+    except Exception:
+        return -1
+
+
 def bench_decode(B, ctx, k, reps, rows):
     fm = backends.flash_mla()
     cache, bt = make_cache(B, ctx)
@@ -94,16 +141,23 @@ def bench_decode(B, ctx, k, reps, rows):
     req = torch.arange(B, dtype=torch.int32, device="cuda")
     q = (torch.randn(B, H, DQK, device="cuda") * 0.5).to(torch.bfloat16)
     sc = 1.0 / math.sqrt(DQK)
-    slots = slots_of(bt, pos, req)[:, None].contiguous()
-    qs = q[:, None].contiguous()
-    meta, _ = fm.get_mla_metadata()
-    kcache = cache.unsqueeze(-2)
-
-    def stock():
-        return fm.flash_mla_with_kvcache(qs, kcache, None, None, DV, meta, softmax_scale=sc,
-                                         is_fp8_kvcache=True, indices=slots)
+    slots = slots_of(bt, pos, req)
+    cfg = sa.split_config(DV, DQK - DV)
 
     def ours():
+        return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="triton_fp8_split")
+
+    parts = sa._split_partials(q, cache, bt, req, pos, sc, DV, DQK - DV, cfg)
+    out = torch.empty(B, H, DV, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(B, H, dtype=torch.float32, device="cuda")
+
+    def split_partial():
+        return sa._split_partials(q, cache, bt, req, pos, sc, DV, DQK - DV, cfg)
+
+    def split_merge():
+        return sa._split_merge(parts, None, out, lse, cfg)
+
+    def workspace():
         return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="flashmla")
 
     ws = torch.empty(B, k, DQK, dtype=torch.bfloat16, device="cuda")
@@ -115,26 +169,16 @@ def bench_decode(B, ctx, k, reps, rows):
     def sparse_fwd():
         return sa.sparse_attention(q, ws.view(-1, DQK), idx, sc, backend="flashmla")
 
-    def triton_ws():
-        return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="triton")
-
-    def triton_fp8():
-        return sa.sparse_mla_attention_fp8(q, cache, bt, req, pos, sc, check=False)
-
-    def triton_fp8_h64v4():
-        # exploration only (not a shipped config): 64 heads per program, V split over 4 programs
-        saved = (sa.BLOCK_H, sa.V_SPLIT)
-        sa.BLOCK_H, sa.V_SPLIT = 64, 4
-        try:
-            return sa.sparse_mla_attention_fp8(q, cache, bt, req, pos, sc, check=False)
-        finally:
-            sa.BLOCK_H, sa.V_SPLIT = saved
-
+    fns = {"stock": stock_decode_fn(fm, q, cache, slots, sc), "ours": ours, "split_partial": split_partial,
+           "split_merge": split_merge, "workspace": workspace, "gather": gather, "sparse_fwd": sparse_fwd,
+           "stock_bi": stock_decode_fn(fm, q, cache, slots, sc, batch_invariant=True)}
+    probes = {}
+    if B > 1:
+        probes = {"stock_diff_alone_vs_batch": probe_stock_invariance(fm, q, cache, slots, sc, False),
+                  "stock_bi_diff_alone_vs_batch": probe_stock_invariance(fm, q, cache, slots, sc, True)}
     shape = f"B={B} ctx={ctx} topk={k}"
     for mode in ("eager", "graph"):
         err: dict = {}
-        fns = {"stock": stock, "ours": ours, "gather": gather, "sparse_fwd": sparse_fwd,
-               "triton": triton_ws, "triton_fp8": triton_fp8, "triton_fp8_h64v4": triton_fp8_h64v4}
         ms = {}
         for name, fn in fns.items():
             f = fn
@@ -146,13 +190,44 @@ def bench_decode(B, ctx, k, reps, rows):
                     ms[name] = float("nan")
                     continue
             ms[name] = safe_ms(f, err, name, rep=reps)
-        rows.append(row(f"decode[{mode}]", shape, ms["ours"], ms["stock"], STOCK,
-                        gather_ms=round(ms["gather"], 5), sparse_fwd_ms=round(ms["sparse_fwd"], 5),
-                        triton_ms=round(ms["triton"], 5), triton_fp8_ms=round(ms["triton_fp8"], 5),
-                        triton_fp8_ratio=round(ms["triton_fp8"] / ms["stock"], 4) if ms["stock"] > 0 else None,
-                        triton_fp8_h64v4_ms=round(ms["triton_fp8_h64v4"], 5),
-                        errors=err or None))
-    del cache, ws
+        common = dict(split_partial_ms=_r(ms["split_partial"]), split_merge_ms=_r(ms["split_merge"]),
+                      workspace_ms=_r(ms["workspace"]), gather_ms=_r(ms["gather"]),
+                      sparse_fwd_ms=_r(ms["sparse_fwd"]), stock_bi_ms=_r(ms["stock_bi"]),
+                      split_config=cfg, **probes, errors=err or None)
+        rows.append(row(f"decode_split[{mode}]", shape, ms["ours"], ms["stock"], STOCK, **common))
+        rows.append(row(f"decode_workspace[{mode}]", shape, ms["workspace"], ms["stock"], STOCK,
+                        note="workspace path: gather_kv + flash_mla_sparse_fwd"))
+    del cache, ws, parts
+    torch.cuda.empty_cache()
+
+
+def sweep_decode(B, ctx, k, reps, rows):
+    """Exploration: graph-replayed time of alternative split configs (same inputs)."""
+    fm = backends.flash_mla()
+    cache, bt = make_cache(B, ctx)
+    pos = make_topk(B, ctx, k)
+    req = torch.arange(B, dtype=torch.int32, device="cuda")
+    q = (torch.randn(B, H, DQK, device="cuda") * 0.5).to(torch.bfloat16)
+    sc = 1.0 / math.sqrt(DQK)
+    err: dict = {}
+    stock_ms = safe_ms(graphed(stock_decode_fn(fm, q, cache, slots_of(bt, pos, req), sc)), err, "stock", rep=reps)
+    base = sa.split_config(DV, DQK - DV)
+    for bh, bn, chunk, nw, ns in SWEEP:
+        cfg = dict(base, BLOCK_H=bh, BLOCK_N=bn, CHUNK=chunk, num_warps=nw, num_stages=ns)
+        name = f"BH{bh}_BN{bn}_C{chunk}_w{nw}_s{ns}"
+        e: dict = {}
+
+        def fn(cfg=cfg):
+            return sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, sc, check=False, _config=cfg)
+
+        try:
+            t = safe_ms(graphed(fn), e, name, rep=reps)
+        except Exception as ex:
+            e[name] = f"{type(ex).__name__}: {ex}"[:300]
+            t = float("nan")
+        rows.append(row("decode_split_sweep[graph]", f"B={B} ctx={ctx} topk={k} {name}", t, stock_ms, STOCK,
+                        config=cfg, errors=(e or err) or None))
+    del cache
     torch.cuda.empty_cache()
 
 
@@ -181,23 +256,26 @@ def bench_prefill(ctx, T, k, reps, rows):
         return fm.flash_mla_sparse_fwd(q, kv[:, None], pos[:, None], sc, DV)
 
     def ours():
+        return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="triton_fp8_split")
+
+    def workspace():
         return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="flashmla",
                                        workspace="per_request", seq_lens=lens)
-
-    def per_row():
-        return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="flashmla")
 
     err: dict = {}
     s_ms = safe_ms(stock, err, "stock", rep=reps)
     o_ms = safe_ms(ours, err, "ours", rep=reps)
-    r_ms = safe_ms(per_row, err, "per_row", rep=reps)
-    rows.append(row("prefill", f"T={T} ctx={ctx} topk={k}", o_ms, s_ms,
+    w_ms = safe_ms(workspace, err, "workspace", rep=reps)
+    rows.append(row("prefill_split", f"T={T} ctx={ctx} topk={k}", o_ms, s_ms,
                     "torch dequant + flash_mla_sparse_fwd (vLLM-style prefill)",
-                    per_row_ms=round(r_ms, 5), errors=err or None))
+                    workspace_ms=_r(w_ms), workspace_ratio=round(w_ms / s_ms, 4) if s_ms > 0 else None,
+                    ours_vs_workspace=round(o_ms / w_ms, 4) if w_ms > 0 else None, errors=err or None))
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    p = parser(__doc__)
+    p.add_argument("--sweep", action="store_true", help="also time alternative split configs (exploration)")
+    args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     if backends.flash_mla() is None:
@@ -206,16 +284,19 @@ def main():
     k = 2048
     if args.quick:
         decode_shapes = [(1, 8192), (64, 8192), (128, 8192)]
-        prefill_shapes = [(8192, 512)]
+        prefill_shapes = [(8192, 1024)]
         reps = 20
     else:
-        decode_shapes = [(B, c) for c in (4096, 8192, 32768) for B in (1, 16, 64, 128, 256) if B * c <= 128 * 32768]
-        prefill_shapes = [(8192, 1024), (32768, 2048)]
+        decode_shapes = [(B, c) for c in (8192, 32768) for B in (1, 16, 64, 128, 256)]
+        prefill_shapes = [(8192, 1024), (8192, 2048), (8192, 4096), (32768, 4096)]
         reps = 50
     for B, c in decode_shapes:
         bench_decode(B, c, k, reps, rows)
     for c, T in prefill_shapes:
         bench_prefill(c, T, k, reps, rows)
+    if args.sweep:
+        for B in (1, 64, 128):
+            sweep_decode(B, 8192, k, reps, rows)
     write(args.json, "sparse_attention", rows)
 
 

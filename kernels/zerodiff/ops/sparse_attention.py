@@ -430,6 +430,8 @@ _SPLIT_CONFIGS = {
     # model shape (DeepSeek V3.2 / V4 latent): 64 or 128 heads, 512 nope + 64 rope, 656-byte tokens.
     (512, 64): dict(BLOCK_H=32, BLOCK_N=16, CHUNK=256, num_warps=8, num_stages=2, MERGE_BH=16, merge_warps=4),
 }
+#: query rows per launch pair (a memory bound for the partials only; rows are independent).
+SPLIT_MAX_ROWS = 512
 #: small shapes (CPU interpreter tests); small CHUNK so short index lists still cross chunk boundaries.
 _SPLIT_SMALL = dict(BLOCK_H=16, BLOCK_N=16, CHUNK=32, num_warps=4, num_stages=1, MERGE_BH=16, merge_warps=4)
 
@@ -614,8 +616,14 @@ def sparse_mla_attention_fp8_split(q, cache, block_table, req_ids, positions, sm
     q = q if q.stride(2) == 1 else q.contiguous()
     positions = positions if positions.stride(1) == 1 else positions.contiguous()
     block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-    parts = _split_partials(q, cache, block_table, req_ids.contiguous(), positions, sm_scale, d_nope, d_rope, cfg)
-    _split_merge(parts, attn_sink, out, lse, cfg)
+    req_ids = req_ids.contiguous()
+    # rows are independent, so launching SPLIT_MAX_ROWS rows at a time only bounds the fp32 partial buffers
+    # (Q x chunks x H x d_nope x 4 B: 1 MiB per row at the model shape); it never changes a row's bits.
+    for r0 in range(0, Q, SPLIT_MAX_ROWS):
+        r1 = min(Q, r0 + SPLIT_MAX_ROWS)
+        parts = _split_partials(q[r0:r1], cache, block_table, req_ids[r0:r1], positions[r0:r1], sm_scale,
+                                d_nope, d_rope, cfg)
+        _split_merge(parts, attn_sink, out[r0:r1], lse[r0:r1], cfg)
     return out, lse
 
 
