@@ -330,6 +330,18 @@ def test_split_bad_inputs(seeded):
         sa.sparse_mla_attention_fp8_split(q2, cache, bt, r2, pos[:2], 0.1, d_nope=96, d_rope=16)
 
 
+def test_split_row_blocking_does_not_change_bits(seeded, monkeypatch):
+    """Rows are launched SPLIT_MAX_ROWS at a time (memory bound for the partials): the blocking is invisible."""
+    g = seeded()
+    cache, bt, pos, req, q = _split_inputs(g, lens=(40, 30), W=40, H=4, adversarial=False)
+    rows = torch.tensor([39, 10, 69, 50, 5])
+    q, req, pos = q[rows].contiguous(), req[rows].contiguous(), pos[rows].contiguous()
+    whole = sa.sparse_mla_attention(q, cache, bt, req, pos, 0.2, **SPLIT)
+    monkeypatch.setattr(sa, "SPLIT_MAX_ROWS", 2)
+    blocked = sa.sparse_mla_attention(q, cache, bt, req, pos, 0.2, **SPLIT)
+    assert _same(whole, blocked)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 GPU_H, GPU_TOPK = 64, 2048
 
