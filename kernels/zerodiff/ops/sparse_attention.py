@@ -26,7 +26,37 @@ Two entry points:
 * ``sparse_mla_attention_fp8(q, cache, block_table, req_ids, positions, sm_scale, *, attn_sink=None, d_nope=512,
   d_rope=64, seq_lens=None, check=True, out=None) -> (out, lse)``: the Triton fallback reading the FP8 cache
   directly (no workspace), bit for bit ``sparse_mla_attention(..., backend="triton")``.
+* ``sparse_mla_attention_fp8_split(q, cache, block_table, req_ids, positions, sm_scale, *, attn_sink=None,
+  d_nope=512, d_rope=64, seq_lens=None, check=True, out=None) -> (out, lse)``, also reached as
+  ``sparse_mla_attention(..., backend="triton_fp8_split")``: THE FAST consistent read path (split-index fused
+  FP8 kernel; contract below). ``backend="triton_fp8"`` routes to ``sparse_mla_attention_fp8`` likewise.
+* ``split_config(d_nope=512, d_rope=64) -> dict``: the split kernel's fixed launch configuration for a model
+  shape (BLOCK_H, BLOCK_N, CHUNK, num_warps, num_stages, MERGE_BH, merge_warps).
 * ``default_sm_scale(d_qk=576) -> float``: 1 / sqrt(d_qk).
+
+Split-index fused FP8 kernel (``triton_fp8_split``), numerical contract. Query row r, head h, index list
+``positions[r]`` (width K, request-local, -1 = skip, unresolvable = NaN poison as in ``kv_cache.gather_kv``):
+
+* the list is cut into fixed chunks of CHUNK consecutive entries (``split_config``: 256 at the model shape;
+  CHUNK depends on the model shape only, never on Q, the batch, the phase or the SM count), so chunk c always
+  holds entries [c * CHUNK, (c + 1) * CHUNK) of that row;
+* launch 1, program (r, head block of BLOCK_H, c): for sub-blocks of BLOCK_N entries in list order, the tokens
+  are dequantised in registers to ``bf16(float(code) * scale)`` (the workspace path's values) with the rope
+  bf16 copied; ``s = (k_nope . q_nope + k_rope . q_rope) * (sm_scale * log2 e)`` (fp32 MMA accumulation,
+  computed transposed: entries x heads), online softmax in base 2 (running max m, ``p = exp2(s - m)`` rounded
+  to bf16 for the P.V MMA, ``l`` sums the fp32 p, ``acc`` fp32, rescaled by ``exp2(m_old - m_new)``);
+  writes (m, l, acc) of the chunk in fp32 (an empty chunk writes m = -inf, l = 0, acc = 0);
+* launch 2, program (r, head block of MERGE_BH): ``M = max_c m_c``; ``L = sum_c l_c * exp2(m_c - M)`` and
+  ``acc = sum_c acc_c * exp2(m_c - M)``, both summed in ascending chunk order; ``out = bf16(acc / L *
+  1 / (1 + exp2(sink * log2 e - lse2)))``, ``lse = (M + log2 L) * ln 2``; no valid entry: out 0, lse +inf.
+So a row's bits depend only on (q[r], the tokens its positions resolve to, their order, K, sm_scale, sink,
+the fixed config): the same whether it is computed in prefill, chunked prefill, decode or training, alone or
+in any batch, eager or graph-replayed. Rows are launched ``SPLIT_MAX_ROWS`` (512) at a time to bound the fp32
+partial buffers (1 MiB per row at the model shape); rows are independent, so this never changes bits. The
+index-list width K is part of the input (chunk count = ceil(K / CHUNK)): callers pass the model-limit width
+(max top-k), never a batch-dependent one; an entry's chunk is fixed by its slot in the list. Bits differ from
+the FlashMLA and the unsplit Triton paths (other reduction orders): a deployment uses one path for rollout
+AND training.
 
 Backends for ``sparse_attention``: ``"flashmla"`` (``flash_mla_sparse_fwd`` via ``zerodiff.backends``,
 SM90/SM100), ``"triton"`` (our fallback), ``"reference"`` (float64 torch). ``None`` picks flashmla on a
