@@ -510,14 +510,14 @@ if HAVE_TRITON:
         D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BPT: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr,
     ):
-        # grid: (query row, head block, chunk). Program (r, hb, c) reduces entries [c*CHUNK, (c+1)*CHUNK) of
+        # grid: (head block, chunk, query row). Program (r, hb, c) reduces entries [c*CHUNK, (c+1)*CHUNK) of
         # row r's index list, in order, in sub-blocks of BLOCK_N, for heads [hb*BLOCK_H, (hb+1)*BLOCK_H).
         # Computed transposed (KV entries / latent channels as the MMA's M dimension, heads as N): the
         # dequantised tile is the A operand straight from registers, q^T stays in shared memory as the B
         # operand, so no warp holds a replicated copy of q in registers (what made the untransposed form spill).
-        r = tl.program_id(0).to(tl.int64)
-        hb = tl.program_id(1)
-        c = tl.program_id(2)
+        hb = tl.program_id(0)  # fastest-varying: the head blocks of one (row, chunk) run side by side and
+        c = tl.program_id(1)  # share its FP8 tokens through L2
+        r = tl.program_id(2).to(tl.int64)
         req = tl.load(req_ptr + r).to(tl.int64)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hm = h < H
@@ -666,7 +666,7 @@ def _split_partials(q, cache, block_table, req_ids, positions, sm_scale, d_nope,
     pm = torch.empty(Q, nch, H, dtype=torch.float32, device=q.device)
     pl = torch.empty(Q, nch, H, dtype=torch.float32, device=q.device)
     pacc = torch.empty(Q, nch, d_nope, H, dtype=torch.float32, device=q.device)
-    _split_partial_kernel[(Q, triton.cdiv(H, cfg["BLOCK_H"]), nch)](
+    _split_partial_kernel[(triton.cdiv(H, cfg["BLOCK_H"]), nch, Q)](
         q, q.stride(0), q.stride(1), positions, positions.stride(0), req_ids, cache, block_table,
         block_table.stride(0), pm, pl, pacc, H, K, nch, cache.shape[0], block_table.shape[1],
         float(sm_scale) * LOG2E,
