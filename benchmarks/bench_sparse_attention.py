@@ -19,7 +19,11 @@ prefill (T rows of one request, each attending to its own causal top-k):
 --sweep (not in --quick): times alternative split configurations (exploration; any change of the shipped
   config changes bits and must be made for rollout and training together).
 
+--aot (no GPU needed): compiles the split kernels for sm_90a and sm_100a with Triton's AOT path and prints
+  registers / spill stack / shared memory per config (how the shipped config was chosen: no spills).
+
 Usage: python benchmarks/bench_sparse_attention.py --json out.json [--quick] [--sweep]
+       python benchmarks/bench_sparse_attention.py --aot [--sweep]
 """
 
 from __future__ import annotations
@@ -274,10 +278,63 @@ def bench_prefill(ctx, T, k, reps, rows):
                     ours_vs_workspace=round(o_ms / w_ms, 4) if w_ms > 0 else None, errors=err or None))
 
 
+def aot_report(configs):
+    """Compile the split kernels ahead of time for SM90 / SM100 (no GPU) and read register and spill use."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    part_sig = {"q_ptr": "*bf16", "q_s0": "i64", "q_s1": "i64", "pos_ptr": "*i32", "pos_s0": "i64",
+                "req_ptr": "*i32", "cache_ptr": "*u8", "bt_ptr": "*i32", "bt_s0": "i64", "pm_ptr": "*fp32",
+                "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "H": "i32", "K": "i32", "NCH": "i32",
+                "num_blocks": "i32", "max_blocks": "i32", "scale_log2": "fp32"}
+    merge_sig = {"pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "sink_ptr": "*fp32",
+                 "out_ptr": "*bf16", "o_s0": "i64", "o_s1": "i64", "lse_ptr": "*fp32", "lse_s0": "i64",
+                 "H": "i32", "NCH": "i32"}
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+    def usage(k):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        return " ".join(x.strip() for x in out.splitlines() if "REG:" in x)[:60]
+
+    for cfg in configs:
+        for cc in (90, 100):
+            const = dict(D_V=DV, D_R=DQK - DV, BLOCK_SIZE=BS, BPT=656, BLOCK_H=cfg["BLOCK_H"],
+                         BLOCK_N=cfg["BLOCK_N"], CHUNK=cfg["CHUNK"], EXACT=False)
+            sig = dict(part_sig, **{k: "constexpr" for k in const})
+            try:
+                k = triton.compile(ASTSource(fn=sa._split_partial_kernel, signature=sig, constexprs=const),
+                                   target=GPUTarget("cuda", cc, 32),
+                                   options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                                                enable_fp_fusion=False))
+                print(f"partial sm_{cc} {cfg}: {usage(k)} shared={k.metadata.shared}", flush=True)
+            except Exception as e:
+                print(f"partial sm_{cc} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        const = dict(D_V=DV, HAS_SINK=True, BLOCK_H=cfg["MERGE_BH"], EXACT=False)
+        sig = dict(merge_sig, **{k: "constexpr" for k in const})
+        k = triton.compile(ASTSource(fn=sa._split_merge_kernel, signature=sig, constexprs=const),
+                           target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=cfg["merge_warps"], enable_fp_fusion=False))
+        print(f"merge   sm_90 MERGE_BH={cfg['MERGE_BH']} warps={cfg['merge_warps']}: {usage(k)}", flush=True)
+
+
 def main():
     p = parser(__doc__)
     p.add_argument("--sweep", action="store_true", help="also time alternative split configs (exploration)")
+    p.add_argument("--aot", action="store_true", help="AOT-compile the split kernels (no GPU): registers/spills")
     args = p.parse_args()
+    if args.aot:
+        base = sa.split_config(DV, DQK - DV)
+        cfgs = [base] + ([dict(base, BLOCK_H=bh, BLOCK_N=bn, CHUNK=c, num_warps=w, num_stages=st)
+                          for bh, bn, c, w, st in SWEEP[1:]] if args.sweep else [])
+        aot_report(cfgs)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     if backends.flash_mla() is None:
