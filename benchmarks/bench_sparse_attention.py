@@ -49,6 +49,7 @@ SWEEP = [  # (BLOCK_H, BLOCK_N, CHUNK, num_warps, num_stages); the first is the 
     (32, 16, 512, 8, 2),
     (32, 16, 256, 8, 1),
     (16, 32, 256, 8, 1),
+    (16, 32, 256, 8, 2),
     (16, 16, 256, 4, 2),
     (64, 16, 256, 8, 1),  # spills in the AOT check (1 KB stack); timed to see what fewer dequant passes buy
     (32, 32, 256, 8, 1),  # spills (296 B stack); half the acc rescales per entry

@@ -10,7 +10,10 @@ Semantics (the same as FlashMLA's ``flash_mla_sparse_fwd`` with one KV head):
 * a (query, head) with no valid index ("lonely"): ``out = 0``, ``lse = +inf``.
 
 The reference computes in float64 and rounds once to bf16 (out) / fp32 (lse). The kernels agree with it
-within rounding; their bitwise contract is invariance (see ``zerodiff.ops.sparse_attention``).
+within rounding; their bitwise contract is invariance (see ``zerodiff.ops.sparse_attention``). For the FP8
+paged cache, the reference of every read path (workspace, fused, split-index fused) is this function applied to
+``kv_cache.gather_kv(..., backend="reference")`` with ``kv_cache.workspace_indices(positions)``: the fused
+kernels dequantise to exactly the gathered bf16 values, so only the attention's rounding separates them.
 """
 
 from __future__ import annotations
