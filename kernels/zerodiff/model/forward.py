@@ -184,6 +184,8 @@ def forward_step(params, step: StepInputs, cache, ops, *, record=None):
             iw = ops.bf16_linear(a, w(pre + "idx_ww"), out_dtype=torch.float32)
             cache.write(l, step, kv_nope, k_pe, ik)
             sel = ops.indexer_topk(iq, iw, cache, l, step)
+        if record:
+            record(f"layer{l}.dsa_sel", sel)
         o = ops.attention(q, kv_nope, k_pe, cache, l, step, sel)
         y = ops.fp8_linear(V.view(o, T, h * dl), w(pre + "wo"))
         X = ops.mhc_post(y, X, post, comb)
@@ -194,6 +196,8 @@ def forward_step(params, step: StepInputs, cache, ops, *, record=None):
         a = ops.rms_norm(u, w(pre + "ffn_norm"))
         logits_r = ops.router(a, w(pre + "gate"))
         wts, ids = ops.route(logits_r, w(pre + "gate_bias"))
+        if record:
+            record(f"layer{l}.expert_ids", ids)
         y = ops.moe(a, wts, ids, w(pre + "exp_w13"), w(pre + "exp_w2"), w(pre + "sh_w13"), w(pre + "sh_w2"))
         X = ops.mhc_post(y, X, post, comb)
         if record:

@@ -31,6 +31,8 @@ Contracts
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .detmath import det_exp, det_log, det_rsqrt, det_sigmoid, tree_sum
@@ -138,48 +140,53 @@ def route(logits, k, *, scoring="sigmoid", bias=None, renormalize=True, routed_s
 
 
 # ---- CPU fast path of the block-FP8 GEMM (bit-identical to zerodiff.reference.fp8_gemm) --------------------
-_W64_CACHE: dict = {}
+_W64_CACHE: dict = {}  # id(tensor) -> (weakref to that tensor, version, float64 codes)
 
 
 def _codes64(wq: torch.Tensor) -> torch.Tensor:
-    """float64 copy of an e4m3 code tensor, cached per (storage, version) (weights are requantised in place)."""
-    key = (wq.data_ptr(), tuple(wq.shape), wq._version)
-    c = _W64_CACHE.get(key)
-    if c is None:
-        if len(_W64_CACHE) > 512:
-            _W64_CACHE.clear()
-        c = wq.to(torch.float64)
-        _W64_CACHE[key] = c
+    """float64 copy of an e4m3 code tensor, cached per tensor OBJECT (checked through a weak reference, so a
+    new tensor at a recycled address or id never hits a stale entry) and version counter (weights are
+    requantised in place, which bumps the version)."""
+    hit = _W64_CACHE.get(id(wq))
+    if hit is not None and hit[0]() is wq and hit[1] == wq._version:
+        return hit[2]
+    c = wq.to(torch.float64)
+    if len(_W64_CACHE) > 256:
+        for k in [k for k, v in _W64_CACHE.items() if v[0]() is None]:
+            del _W64_CACHE[k]
+    _W64_CACHE[id(wq)] = (weakref.ref(wq), wq._version, c)
     return c
 
 
 def fp8_gemm_blocks(a_q, a_scale, w_q, w_scale, out_dtype=torch.bfloat16, row_expert=None):
     """The contract of ``reference/fp8_gemm.py`` (exact float64 128-block partials rounded once to FP32,
     ``acc = acc + partial * (a_scale * w_scale)`` in ascending K blocks, one final rounding), computed with
-    one batched matmul per call. ``w_q`` [N, K] or, with ``row_expert`` int [M], stacked [E, N, K] (row m
+    float64 matmuls per 128-block (exact, so the BLAS order cannot matter). ``w_q`` [N, K] or, with ``row_expert`` int [M], stacked [E, N, K] (row m
     uses expert row_expert[m]; every expert's partial is exact, the row's own expert is selected)."""
-    M, K = a_q.shape
-    Kb = (K + 127) // 128
-    pad = Kb * 128 - K
-    a64 = a_q.to(torch.float64)
-    if pad:
-        a64 = torch.nn.functional.pad(a64, (0, pad))
-    w64 = _codes64(w_q)
     if row_expert is None:
-        N = w_q.shape[0]
-        ws = w_scale.to(torch.float32).repeat_interleave(128, dim=0)[:N]  # [N, Kb]
-        wf = torch.nn.functional.pad(w64, (0, pad)) if pad else w64
-        part = torch.einsum("mkb,nkb->kmn", a64.view(M, Kb, 128), wf.reshape(N, Kb, 128)).to(torch.float32)
-        acc = torch.zeros(M, N, dtype=torch.float32, device=a_q.device)
-        for kb in range(Kb):
-            acc = acc + part[kb] * (a_scale[:, kb: kb + 1].to(torch.float32) * ws[:, kb][None, :])
-        return acc.to(out_dtype)
+        return _fp8_gemm_2d(a_q, a_scale, _codes64(w_q), w_scale, out_dtype)
+    M = a_q.shape[0]
     E, N, _ = w_q.shape
     re = row_expert.long()
+    w64_all = _codes64(w_q)
     out = torch.zeros(M, N, dtype=out_dtype, device=a_q.device)
     for e in torch.unique(re).tolist():
         if e < 0:
             continue
         rr = (re == e).nonzero(as_tuple=True)[0]
-        out[rr] = fp8_gemm_blocks(a_q[rr], a_scale[rr], w_q[e], w_scale[e], out_dtype)
+        out[rr] = _fp8_gemm_2d(a_q[rr], a_scale[rr], w64_all[e], w_scale[e], out_dtype)
     return out
+
+
+def _fp8_gemm_2d(a_q, a_scale, w64, w_scale, out_dtype):
+    M, K = a_q.shape
+    N = w64.shape[0]
+    Kb = (K + 127) // 128
+    a64 = a_q.to(torch.float64)
+    ws = w_scale.to(torch.float32).repeat_interleave(128, dim=0)[:N]  # [N, Kb]
+    acc = torch.zeros(M, N, dtype=torch.float32, device=a_q.device)
+    for kb in range(Kb):
+        sl = slice(kb * 128, min(K, (kb + 1) * 128))
+        part = (a64[:, sl] @ w64[:, sl].t()).to(torch.float32)  # exact in float64, one rounding
+        acc = acc + part * (a_scale[:, kb: kb + 1].to(torch.float32) * ws[:, kb][None, :])
+    return acc.to(out_dtype)

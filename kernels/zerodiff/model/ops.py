@@ -91,7 +91,7 @@ def _fixed_rows(fn, *xs, chunk=_CPU_CHUNK):
             p = x[s: s + chunk]
             if p.shape[0] < chunk:
                 p = torch.cat([p, p.new_zeros((chunk - p.shape[0],) + tuple(p.shape[1:]))])
-            parts.append(p.contiguous())
+            parts.append(torch.empty_like(p, memory_format=torch.contiguous_format).copy_(p))  # fresh, aligned
         outs.append(fn(*parts))
     n = min(chunk, T)
     if isinstance(outs[0], tuple):

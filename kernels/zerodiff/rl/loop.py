@@ -183,7 +183,7 @@ class RLRun:
     # ---- checkpoint ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {
-            "format": "zerodiff-e2e-1", "preset": self.preset.name, "seed": self.seed, "mode": self.mode,
+            "format": "zerodiff-e2e-1", "preset": self.preset.name, "preset_obj": self.preset, "seed": self.seed, "mode": self.mode,
             "step": self.step, "masters": {k: v.detach().cpu() for k, v in self.masters.items()},
             "main": {k: v.detach().cpu() for k, v in self.main.items()}, "opt": self.opt.state_dict(),
             "history": self.history,
@@ -197,7 +197,7 @@ class RLRun:
         sd = torch.load(path, map_location="cpu", weights_only=False)
         if sd.get("format") != "zerodiff-e2e-1":
             raise ValueError(f"zerodiff: {path} is not a zerodiff e2e checkpoint")
-        run = cls(preset or sd["preset"], sd["seed"], sd["mode"], device)
+        run = cls(preset or sd.get("preset_obj") or sd["preset"], sd["seed"], sd["mode"], device)
         with torch.no_grad():
             for k, v in sd["masters"].items():
                 run.masters[k].copy_(v.to(run.device))
