@@ -19,6 +19,12 @@ from zerodiff.ops.kv_cache import gather_kv, new_kv_cache, write_kv_cache
 from zerodiff.reference.fp8_quant import quant_per_token_group_ref
 
 
+def _be(t):
+    """Backend for a zerodiff op call: the reference on CPU tensors (also under TRITON_INTERPRET, where some ops
+    would otherwise pick the slow interpreted kernel), the op's own choice on CUDA."""
+    return "reference" if t.device.type == "cpu" else None
+
+
 class BlockAllocator:
     """LIFO free list of block ids (recycled ids differ run to run with the schedule: paging is exercised)."""
 
@@ -58,14 +64,14 @@ class PagedCache:
     def write(self, layer: int, step, kv_nope, k_rope, idx_k) -> None:
         slots = step.slot_mapping(self.block_size)
         write_kv_cache(kv_nope.contiguous(), k_rope.contiguous(), self.kv[layer], slots,
-                       d_nope=self.cfg.d_latent, d_rope=self.cfg.d_rope, check=self.check)
+                       d_nope=self.cfg.d_latent, d_rope=self.cfg.d_rope, check=self.check, backend=_be(kv_nope))
         q, s = quant_per_token_group_ref(idx_k, group=self.cfg.idx_dim)
         self.idx_q[layer][slots] = q
         self.idx_s[layer][slots] = s
 
     def gather(self, layer: int, step, sel):
         return gather_kv(self.kv[layer], step.block_table, step.slot, sel, d_nope=self.cfg.d_latent,
-                         d_rope=self.cfg.d_rope, check=self.check)
+                         d_rope=self.cfg.d_rope, check=self.check, backend=_be(sel))
 
     def gather_index_keys(self, layer: int, step, W: int):
         """Index keys of positions 0..W-1 of each token's request: (codes [T, W, d], scales [T, W, 1])."""

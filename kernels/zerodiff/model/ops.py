@@ -79,6 +79,11 @@ BASELINE_CHOICE = {
 _CPU_CHUNK = 16
 
 
+def _be(t):
+    """'reference' for CPU tensors (even under TRITON_INTERPRET), the op's own choice (Triton/...) on CUDA."""
+    return "reference" if t.device.type == "cpu" else None
+
+
 def _fixed_rows(fn, *xs, chunk=_CPU_CHUNK):
     """Run ``fn`` on fixed ``chunk``-row slices (leading dim zero-padded) and concatenate (CPU only)."""
     T = xs[0].shape[0]
@@ -208,7 +213,7 @@ class ConsistentOps:
 
     def k_fp8_linear(self, x, w: Fp8Weight):
         if x.device.type == "cpu":  # CPU fast path, bit-identical to zerodiff.ops.fp8_gemm's reference backend
-            aq, as_ = quant_act(x)
+            aq, as_ = quant_act(x, backend="reference")
             return _I.fp8_gemm_blocks(aq, as_, w.q, w.scale)
         return fp8_linear(x, w)
 
@@ -221,16 +226,16 @@ class ConsistentOps:
     def k_mhc_pre(self, X, fn, scale, base):
         c = self.cfg
         return _fixed_rows(lambda r: mhc_pre(r, fn, scale, base, sinkhorn_iters=c.sinkhorn_iters,
-                                             rms_eps=c.rms_eps), X)
+                                             rms_eps=c.rms_eps, backend=_be(r)), X)
 
     def k_mhc_post(self, y, X, post, comb):
-        return mhc_post(y, X, post, comb)
+        return mhc_post(y, X, post, comb, backend=_be(y))
 
     def k_swiglu_quant(self, h):
-        return _fixed_rows(lambda a: silu_mul_quant_fp8(a), h)
+        return _fixed_rows(lambda a: silu_mul_quant_fp8(a, backend=_be(a)), h)
 
     def k_topk(self, scores, k, lengths=None):
-        return deterministic_topk(scores, k, lengths)
+        return deterministic_topk(scores, k, lengths, backend=_be(scores))
 
     def k_route(self, logits, bias, k, scale):
         return route(logits, k, bias=bias, routed_scale=scale, topk_fn=self.k_topk)
@@ -389,7 +394,7 @@ class ConsistentOps:
     def k_experts(self, xr, w13: Fp8Weight, w2: Fp8Weight, row_expert):
         """Routed experts on rows [R, H] (row r uses expert row_expert[r]) -> bf16 [R, H]."""
         if xr.device.type == "cpu":  # one grouped call, bit-identical to the per-expert reference
-            aq, as_ = quant_act(xr)
+            aq, as_ = quant_act(xr, backend="reference")
             h = _I.fp8_gemm_blocks(aq, as_, w13.q, w13.scale, row_expert=row_expert)
             q, s = self.k_swiglu_quant(h)
             return _I.fp8_gemm_blocks(q, s, w2.q, w2.scale, row_expert=row_expert)
@@ -478,7 +483,7 @@ class BaselineRolloutOps(ConsistentOps):
     def k_swiglu_quant(self, h):
         I = h.shape[1] // 2
         a = F.silu(h[:, :I]) * h[:, I:]  # two BF16 roundings
-        return quant_act(a)
+        return quant_act(a, backend=_be(a))
 
     def k_topk(self, scores, k, lengths=None):
         if lengths is not None:
