@@ -55,7 +55,7 @@ def _cpu_threads(device):
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, choices=["cpu", "h200"],
+    p.add_argument("--config", default=None, choices=["cpu", "gpu_small", "h200"],
                    help="model/rollout preset (default: h200 when CUDA is present, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="weights / prompts / schedule seed (default 0)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")

@@ -4,8 +4,9 @@
   per 128 channels + BF16 rope), one uint8 tensor per layer. Read ONLY through ``gather_kv`` into a
   workspace of ``topk`` rows per query token (sized by the model limit, never by the batch): the one
   read path of prefill, decode and training.
-* DSA index keys (INTERIM until the indexer module lands): FP8 e4m3 codes ``[slots, idx_dim]`` with one FP32
-  scale per token, quantised by the rule of ``reference/fp8_quant.py`` (one group of ``idx_dim``).
+* DSA index keys: on CUDA the team's ``zerodiff.ops.indexer`` cache; on the CPU (INTERIM, read by the
+  interim scorer) FP8 e4m3 codes ``[slots, idx_dim]`` with one FP32 scale per token, quantised by the rule
+  of ``reference/fp8_quant.py`` (one group of ``idx_dim``): the same values in a different layout.
 
 Rollout and training use the same class; training allocates a PRIVATE instance and writes its K through
 the same FP8 round trip.
@@ -55,6 +56,12 @@ class PagedCache:
         self.kv = [new_kv_cache(num_blocks, block_size, d_nope=cfg.d_latent, d_rope=cfg.d_rope, device=device)
                    for _ in range(cfg.layers)]
         slots = num_blocks * block_size
+        self.idx_cache = None
+        if self.device.type == "cuda":  # the team's FP8 index-key cache (codes | fp32 scale per token)
+            from zerodiff.ops.indexer import new_index_cache
+
+            self.idx_cache = [new_index_cache(num_blocks, block_size, d=cfg.idx_dim, device=device)
+                              for _ in range(cfg.layers)]
         self.idx_q = [torch.zeros(slots, cfg.idx_dim, dtype=torch.float8_e4m3fn, device=device)
                       for _ in range(cfg.layers)]
         self.idx_s = [torch.zeros(slots, 1, dtype=torch.float32, device=device) for _ in range(cfg.layers)]
@@ -65,6 +72,11 @@ class PagedCache:
         slots = step.slot_mapping(self.block_size)
         write_kv_cache(kv_nope.contiguous(), k_rope.contiguous(), self.kv[layer], slots,
                        d_nope=self.cfg.d_latent, d_rope=self.cfg.d_rope, check=self.check, backend=_be(kv_nope))
+        if self.idx_cache is not None:
+            from zerodiff.ops.indexer import write_index_cache
+
+            write_index_cache(idx_k.contiguous(), self.idx_cache[layer], slots, check=self.check)
+            return
         q, s = quant_per_token_group_ref(idx_k, group=self.cfg.idx_dim)
         self.idx_q[layer][slots] = q
         self.idx_s[layer][slots] = s

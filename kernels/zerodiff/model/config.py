@@ -91,7 +91,24 @@ H200 = Preset(
     TrainConfig(micro_tokens=16384, lr=1e-4),
 )
 
-PRESETS = {"cpu": CPU, "h200": H200}
+# GPU smoke preset (for the gpu-marked tests): the H200 per-head shapes (512 + 64 latent, 128-wide indexer)
+# with few heads/experts and short requests, so a whole RL step takes seconds.
+GPU_SMALL = Preset(
+    "gpu_small",
+    ModelConfig(
+        vocab=4096, hidden=1024, layers=2, hc_mult=4, heads=16, q_lora=512, d_latent=512, d_rope=64,
+        idx_heads=16, idx_dim=128, topk=128, experts=8, top_experts=2, moe_inter=512, shared_inter=512,
+        routed_scale=2.5, max_pos=1024, init_std=0.02,
+    ),
+    RolloutConfig(
+        prompts_per_step=8, responses_per_prompt=2, prompt_len=(96, 400), response_len=(16, 48), block_size=64,
+        num_blocks=512, token_budget=(256, 1024), max_batch=(4, 16), reward_tokens=512,
+        graph_batch_sizes=(1, 2, 4, 8, 16),
+    ),
+    TrainConfig(micro_tokens=2048, lr=1e-4),
+)
+
+PRESETS = {"cpu": CPU, "h200": H200, "gpu_small": GPU_SMALL}
 
 
 def preset(name: str) -> Preset:

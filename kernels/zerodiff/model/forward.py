@@ -47,7 +47,8 @@ class StepInputs:
     q_start: torch.Tensor  # int64 [R]: flat index of the request's first token in this step
     logits_rows: torch.Tensor  # int64 [L]: flat token indices whose logits are wanted
     max_pos: int = 0
-    keys: list = field(default_factory=list)  # optional per-token (request key, position) for records
+    keys: list = field(default_factory=list)
+    pure_decode: bool = False  # set for CUDA-graph decode steps (every token is a decode token)  # optional per-token (request key, position) for records
 
     @property
     def T(self) -> int:

@@ -51,16 +51,54 @@ from zerodiff.ops.mhc import mhc_pre, mhc_post  # real
 from zerodiff.ops.kv_cache import write_kv_cache, gather_kv, new_kv_cache, workspace_indices  # real
 from zerodiff.reference.fp8_quant import dequant_weight_block_ref  # real (STE / baseline dequant)
 
-rms_norm = _I.rms_norm  # INTERIM -> from zerodiff.ops.rmsnorm import rms_norm
-bf16_gemm = _I.bf16_gemm  # INTERIM -> from zerodiff.ops.bf16_gemm import bf16_gemm
-router_gemm = _I.router_gemm  # INTERIM -> from zerodiff.ops.router_gemm import router_gemm
-token_logprobs = _I.token_logprobs  # INTERIM -> from zerodiff.ops.logprobs import token_logprobs
-sparse_attention = _I.sparse_attention  # INTERIM -> zerodiff.ops.sparse_attention (Kernels III)
-indexer_scores = _I.indexer_scores  # INTERIM -> zerodiff.ops.indexer (Kernels III)
-route = _I.route  # INTERIM -> from zerodiff.ops.moe import route
+from zerodiff.ops import rmsnorm as _rmsnorm_op, bf16_gemm as _bf16_op, router_gemm as _router_op  # real
+from zerodiff.ops import logprobs as _lp_op, sparse_attention as _sa_op, indexer as _idx_op, moe as _moe_op  # real
 
-INTERIM_OPS = ("rms_norm", "bf16_gemm", "router_gemm", "token_logprobs", "sparse_attention",
-               "indexer_scores (+ FP8 index-key cache)", "route", "moe combine (composed of real fp8 ops)")
+
+def _cuda(t) -> bool:
+    return t.device.type == "cuda"
+
+
+# Dispatch: CUDA tensors -> the team's op (Triton / verified backends); CPU tensors -> the exact-structure
+# INTERIM implementation in zerodiff.model.interim (the ops' CPU references compute in float64 with
+# shape-dependent BLAS / vectorised exp, whose rare last-bit flips would make CPU CI flaky; the interim
+# implementations have the same contracts up to rounding and are row-invariant by construction).
+def rms_norm(x, w, eps):
+    return _rmsnorm_op.rms_norm(x, w, eps) if _cuda(x) else _I.rms_norm(x, w, eps)
+
+
+def bf16_gemm(x, w, *, out_dtype=torch.bfloat16):
+    return _bf16_op.bf16_gemm(x, w, out_dtype=out_dtype) if _cuda(x) else _I.bf16_gemm(x, w, out_dtype=out_dtype)
+
+
+def router_gemm(x, w):
+    return _router_op.router_gemm(x, w) if _cuda(x) else _I.router_gemm(x, w)
+
+
+def token_logprobs(logits, ids):
+    return _lp_op.token_logprobs(logits, ids) if _cuda(logits) else _I.token_logprobs(logits, ids)
+
+
+def sparse_attention(q, kv, indices, sm_scale, d_v):
+    if _cuda(q):
+        return _sa_op.sparse_attention(q, kv, indices, sm_scale, d_v=d_v)[0]
+    return _I.sparse_attention(q, kv, indices, sm_scale, d_v)
+
+
+indexer_scores = _I.indexer_scores  # CPU INTERIM (CUDA: zerodiff.ops.indexer.indexer_topk, see ConsistentOps)
+
+
+def route(logits, k, *, bias=None, routed_scale=1.0, topk_fn=None):
+    if _cuda(logits):
+        return _moe_op.route(logits, k, scoring="sigmoid", bias=bias, renormalize=True, routed_scale=routed_scale)
+    return _I.route(logits, k, bias=bias, routed_scale=routed_scale, topk_fn=topk_fn)
+
+
+INTERIM_OPS = ("CPU only: rms_norm, bf16_gemm, router_gemm, token_logprobs, sparse_attention, indexer scores "
+               "+ FP8 index-key cache, route (exact-structure pure torch, zerodiff.model.interim)",
+               "CPU only: fp8_gemm via a float64 block fast path bit-identical to zerodiff.reference.fp8_gemm",
+               "all devices: MoE dispatch/combine composed in zerodiff.model.ops from the real fp8_linear / "
+               "silu_mul_quant_fp8 / fp8_gemm (zerodiff.ops.moe.moe_experts not wired yet)")
 
 BASELINE_CHOICE = {
     "fp8 linear": "rollout: BF16 F.linear on dequantised FP8 weight and BF16 activation (no act quant); "
@@ -173,6 +211,7 @@ class ConsistentOps:
     def __init__(self, cfg):
         self.cfg = cfg
         self.tape: Tape | None = None
+        self.graph_safe = False  # set while capturing CUDA graphs: no host syncs / data-dependent shapes
 
     # ---- autograd plumbing --------------------------------------------------------------------------
     @property
@@ -343,8 +382,18 @@ class ConsistentOps:
 
     def indexer_topk(self, q, w, cache, layer, step):
         """Positions [T, topk] int32 (request-local, descending, -1 last) of the DSA selection."""
+        if _cuda(q):
+            with torch.no_grad():
+                q8, qs = _idx_op.quant_index_q(q)
+                wq = (w * qs).contiguous()
+                if self.name == "consistent":
+                    return _idx_op.indexer_topk(q8, wq, cache.idx_cache[layer], step.block_table, step.slot,
+                                                step.pos, self.cfg.topk, self.cfg.max_pos, check=cache.check)
+                scores = _idx_op.index_scores(q8, wq, cache.idx_cache[layer], step.block_table, step.slot, step.pos,
+                                              self.cfg.max_pos, check=cache.check)
+                return self.k_topk(scores, self.cfg.topk, (step.pos + 1).to(torch.int32))
         with torch.no_grad():
-            Wd = max(int(step.max_pos) + 1, self.cfg.topk)
+            Wd = max(int(step.max_pos) + 1, self.cfg.topk) if not _cuda(q) else self.cfg.max_pos
             kq, ks = cache.gather_index_keys(layer, step, Wd)
             lengths = (step.pos + 1).to(torch.int32)
             scores = self.k_indexer(q, w, kq, ks, lengths)
@@ -399,6 +448,11 @@ class ConsistentOps:
             q, s = self.k_swiglu_quant(h)
             return _I.fp8_gemm_blocks(q, s, w2.q, w2.scale, row_expert=row_expert)
         out = torch.zeros(xr.shape[0], w2.q.shape[1], dtype=torch.bfloat16, device=xr.device)
+        if self.graph_safe:  # CUDA-graph decode: every expert on every row, keep the row's own (row-invariant GEMMs)
+            for e in range(w13.q.shape[0]):
+                y = self._expert_visible(xr, Fp8Weight(w13.q[e], w13.scale[e]), Fp8Weight(w2.q[e], w2.scale[e]))
+                out = torch.where((row_expert == e)[:, None], y, out)
+            return out
         for e in torch.unique(row_expert).tolist():
             rr = (row_expert == e).nonzero(as_tuple=True)[0]
             out[rr] = self._expert_visible(xr[rr], Fp8Weight(w13.q[e], w13.scale[e]), Fp8Weight(w2.q[e], w2.scale[e]))
@@ -502,6 +556,11 @@ class BaselineRolloutOps(ConsistentOps):
 
     def k_experts(self, xr, w13, w2, row_expert):
         out = torch.zeros(xr.shape[0], w2.q.shape[1], dtype=torch.bfloat16, device=xr.device)
+        if self.graph_safe:
+            for e in range(w13.q.shape[0]):
+                y = self._expert_visible(xr, Fp8Weight(w13.q[e], w13.scale[e]), Fp8Weight(w2.q[e], w2.scale[e]))
+                out = torch.where((row_expert == e)[:, None], y, out)
+            return out
         for e in torch.unique(row_expert).tolist():
             rr = (row_expert == e).nonzero(as_tuple=True)[0]
             out[rr] = self._expert_visible(xr[rr], Fp8Weight(w13.q[e], w13.scale[e]), Fp8Weight(w2.q[e], w2.scale[e]))
@@ -521,30 +580,34 @@ class BaselineRolloutOps(ConsistentOps):
         s = torch.einsum("thd,tkd->thk", qf, kf) * sm_scale
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
         v = kf[..., : self.cfg.d_latent]
+        if getattr(step, "pure_decode", False):  # CUDA-graph decode step: every row decodes, no host sync
+            return self._split_decode(s, v, step.T).to(torch.bfloat16)
         decode = step.is_decode_token()  # [T] bool: single-token requests of this step
         out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
         pre = ~decode
         if bool(pre.any()):
             out[pre] = torch.einsum("thk,tkd->thd", torch.softmax(s[pre], -1), v[pre])
         if bool(decode.any()):
-            # split-K decode: the split count follows the batch size (as stock decode kernels do)
-            nd = int(decode.sum())
-            splits = 1 if nd < 4 else 2 if nd < 8 else 4
-            sd, vd = s[decode], v[decode]
-            K = sd.shape[-1]
-            chunks = [(a, min(K, a + (K + splits - 1) // splits)) for a in range(0, K, (K + splits - 1) // splits)]
-            ms, ls, os_ = [], [], []
-            for a, b in chunks:
-                m = sd[..., a:b].amax(-1, keepdim=True).clamp(min=-1e30)
-                p = torch.exp(sd[..., a:b] - m).to(torch.bfloat16).float()
-                ms.append(m)
-                ls.append(p.sum(-1, keepdim=True))
-                os_.append(torch.einsum("thk,tkd->thd", p, vd[:, a:b]))
-            M = torch.stack(ms).amax(0)
-            num = sum(o * torch.exp(m - M) for o, m in zip(os_, ms))
-            den = sum(l * torch.exp(m - M) for l, m in zip(ls, ms))
-            out[decode] = num / den
+            out[decode] = self._split_decode(s[decode], v[decode], int(decode.sum()))
         return out.to(torch.bfloat16)
+
+    @staticmethod
+    def _split_decode(sd, vd, nd):
+        """split-K decode: the split count follows the batch size (as stock decode kernels do)."""
+        splits = 1 if nd < 4 else 2 if nd < 8 else 4
+        K = sd.shape[-1]
+        chunks = [(a, min(K, a + (K + splits - 1) // splits)) for a in range(0, K, (K + splits - 1) // splits)]
+        ms, ls, os_ = [], [], []
+        for a, b in chunks:
+            m = sd[..., a:b].amax(-1, keepdim=True).clamp(min=-1e30)
+            p = torch.exp(sd[..., a:b] - m).to(torch.bfloat16).float()
+            ms.append(m)
+            ls.append(p.sum(-1, keepdim=True))
+            os_.append(torch.einsum("thk,tkd->thd", p, vd[:, a:b]))
+        M = torch.stack(ms).amax(0)
+        num = sum(o * torch.exp(m - M) for o, m in zip(os_, ms))
+        den = sum(l * torch.exp(m - M) for l, m in zip(ls, ms))
+        return num / den
 
 
 class BaselineTrainOps(BaselineRolloutOps):

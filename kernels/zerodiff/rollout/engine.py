@@ -9,8 +9,10 @@ mix chunked-prefill chunks and decode tokens; the flat order of the scheduled re
 KV blocks come from a LIFO allocator and are freed when a request finishes (block ids get recycled).
 
 Decode goes through the same read path as prefill (``forward_step``: FP8 cache -> workspace gather ->
-sparse attention). CUDA graphs: pure-decode steps on CUDA can replay a captured graph (see
-:mod:`zerodiff.rollout.graphs`); mixed steps run eagerly; on the CPU everything is eager.
+sparse attention). CUDA graphs: pure-decode steps on CUDA replay a captured graph (see
+:mod:`zerodiff.rollout.graphs`; ``use_graphs=None`` -> on for CUDA when the config enables them); mixed
+steps run eagerly; on the CPU everything is eager (``use_graphs="emulate"`` runs the graphs' padded static
+decode step eagerly, so the padding / scratch-block / graph-safe MoE logic is tested on the CPU too).
 
 Sampling: temperature 1, Gumbel-max with a counter-based hash (:mod:`zerodiff.model.sampling`): the token
 of request ``rid`` at position ``p`` is a pure function of (logits row, seed, rid, p). The log-prob stored
@@ -54,7 +56,7 @@ class RolloutResult:
 
 
 class RolloutEngine:
-    def __init__(self, preset, deployment, ops, device="cpu", sample_seed: int = 0, use_graphs: bool | None = None):
+    def __init__(self, preset, deployment, ops, device="cpu", sample_seed: int = 0, use_graphs=None):
         self.preset = preset
         self.cfg = preset.model
         self.rcfg = preset.rollout
@@ -66,6 +68,7 @@ class RolloutEngine:
         if use_graphs is None:
             use_graphs = self.rcfg.cuda_graphs and self.device.type == "cuda"
         self.graphs = None
+        self.emulate_graphs = use_graphs == "emulate"  # CPU test mode: the padded static decode step, eagerly
         if use_graphs:
             from .graphs import DecodeGraphs
 
@@ -120,8 +123,8 @@ class RolloutEngine:
             if record is not None:
                 rec = lambda name, t, _k=step.keys: record(name, _k, t)  # noqa: E731
             with torch.no_grad():
-                if pure_decode and self.graphs is not None and rec is None:
-                    logits = self.graphs.run(step)
+                if pure_decode and self.graphs is not None and rec is None and self.graphs.supports(step):
+                    logits = self.graphs.run(step, eager=self.emulate_graphs)
                     self.stats["graph_steps"] += 1
                 else:
                     logits = forward_step(self.dep, step, self.cache, self.ops, record=rec)

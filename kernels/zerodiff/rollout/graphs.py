@@ -1,0 +1,113 @@
+"""CUDA graphs for pure-decode rollout steps (static workspaces; graph == eager by construction).
+
+For each padded batch size ``S`` in ``rollout.graph_batch_sizes`` one graph of ``forward_step`` is captured
+lazily on first use. Static inputs: tokens / slot / pos / block table (``ceil(max_pos / block_size)``
+columns, the model limit) / cached lengths; static output: FP32 logits ``[S, vocab]``. A step of ``B <= S``
+decode tokens copies its inputs into rows ``0..B-1`` and fills rows ``B..S-1`` with padding requests that
+write and read only a reserved scratch KV block at position 0, so they never touch real requests.
+
+Why graph == eager bit for bit: every op is per row (a row's value does not depend on the batch size or
+on the other rows), the indexer width is the static model limit, the MoE runs every expert on every row
+and keeps each row's own experts (``ops.graph_safe``: no host sync, no data-dependent shapes), and value
+checks that would sync with the host are off during capture (``cache.check = False``; the kernels' NaN
+poisoning remains). Weights are read from the deployment's storage, which ``Deployment.update_`` rewrites
+in place, so captured graphs stay valid across RL steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.forward import StepInputs, forward_step
+
+
+class DecodeGraphs:
+    def __init__(self, engine):
+        self.engine = engine
+        cfg, rc = engine.cfg, engine.rcfg
+        self.sizes = sorted(rc.graph_batch_sizes)
+        self.max_blocks = (cfg.max_pos + rc.block_size - 1) // rc.block_size
+        self.scratch = engine.cache.allocator.alloc(1)[0]  # padding rows live here
+        self.graphs: dict = {}
+        self.pool = None
+
+    def _static_step(self, S: int) -> StepInputs:
+        dev = self.engine.device
+        st = StepInputs(
+            tokens=torch.zeros(S, dtype=torch.int64, device=dev),
+            slot=torch.arange(S, dtype=torch.int32, device=dev),
+            pos=torch.zeros(S, dtype=torch.int32, device=dev),
+            block_table=torch.full((S, self.max_blocks), -1, dtype=torch.int32, device=dev),
+            ctx_before=torch.ones(S, dtype=torch.int64, device=dev),
+            n_tok=torch.ones(S, dtype=torch.int64, device=dev),
+            q_start=torch.arange(S, dtype=torch.int64, device=dev),
+            logits_rows=torch.arange(S, dtype=torch.int64, device=dev),
+            max_pos=self.engine.cfg.max_pos - 1,  # static: the indexer width is the model limit
+            pure_decode=True,
+        )
+        st.block_table[:, 0] = self.scratch
+        return st
+
+    def _fill(self, st: StepInputs, step: StepInputs) -> None:
+        B = step.T
+        st.tokens[:B].copy_(step.tokens)
+        st.pos[:B].copy_(step.pos)
+        st.ctx_before[:B].copy_(step.ctx_before)
+        st.block_table.fill_(-1)
+        mb = step.block_table.shape[1]
+        st.block_table[:B, :mb].copy_(step.block_table)
+        # padding rows: token 0 at position 0 of the scratch block
+        st.tokens[B:].zero_()
+        st.pos[B:].zero_()
+        st.ctx_before[B:].fill_(1)
+        st.block_table[B:, 0] = self.scratch
+
+    def _run_eager_static(self, st):
+        return forward_step(self.engine.dep, st, self.engine.cache, self.engine.ops)
+
+    def _capture(self, S: int):
+        eng = self.engine
+        st = self._static_step(S)
+        old_check, old_safe = eng.cache.check, eng.ops.graph_safe
+        eng.cache.check, eng.ops.graph_safe = False, True
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):  # warm-up: JIT compiles, backend probes, lazy tables
+                    self._run_eager_static(st)
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                out = self._run_eager_static(st)
+            if self.pool is None:
+                self.pool = g.pool()
+        finally:
+            eng.cache.check, eng.ops.graph_safe = old_check, old_safe
+        self.graphs[S] = (g, st, out)
+        return self.graphs[S]
+
+    def supports(self, step: StepInputs) -> bool:
+        return step.T <= self.sizes[-1] and step.block_table.shape[1] <= self.max_blocks
+
+    def run(self, step: StepInputs, *, eager: bool = False) -> torch.Tensor:
+        """Logits [B, vocab] for a pure-decode step (replay; ``eager=True`` runs the same padded static step
+        eagerly, for graph == eager tests)."""
+        if not self.supports(step):
+            return forward_step(self.engine.dep, step, self.engine.cache, self.engine.ops)
+        B = step.T
+        S = next(x for x in self.sizes if x >= B)
+        if eager:
+            st = self._static_step(S)
+            self._fill(st, step)
+            st.pure_decode = True
+            old = self.engine.ops.graph_safe
+            self.engine.ops.graph_safe = True
+            try:
+                return self._run_eager_static(st)[:B].clone()
+            finally:
+                self.engine.ops.graph_safe = old
+        g, st, out = self.graphs.get(S) or self._capture(S)
+        self._fill(st, step)
+        g.replay()
+        return out[:B].clone()
