@@ -17,6 +17,11 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+# unpack the carried wheel kernels once, before the two halves start (they would race otherwise)
+if [ ! -f build/wheel-kernels/vllm/__init__.py ] && [ -f .carry/wheel-kernels.tar.gz ]; then
+  mkdir -p build && tar xzf .carry/wheel-kernels.tar.gz -C build
+fi
+export ZD_SKIP_UNPACK=1
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 echo "gpus: $ngpu, budget ${BUDGET}s"
 if [ "$ngpu" -ge 2 ]; then
@@ -29,9 +34,10 @@ else
 fi
 {
   echo "== tests =="; cat "$OUT/tests/summary.txt" 2>/dev/null || echo "(no summary: timed out?)"
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests/pytest.log" 2>/dev/null | tail -n 40
+  cat "$OUT/tests/files.txt" 2>/dev/null
+  grep -E "^(FAILED|ERROR)" "$OUT/tests/pytest.log" 2>/dev/null | cut -c1-200 | tail -n 60
   echo "== benchmarks =="; cat "$OUT/bench/summary.txt" 2>/dev/null || echo "(no summary: timed out?)"
-  grep -E "ratio|FAILED|Error" "$OUT/bench.out" 2>/dev/null | tail -n 80
+  grep -E "FAILED|Error" "$OUT/bench.out" 2>/dev/null | tail -n 30
 } >"$OUT/summary.txt"
 tar czf "$OUT/results.tar.gz" -C "$OUT" tests bench tests.out bench.out 2>/dev/null
 rm -rf "$OUT/tests" "$OUT/bench" "$OUT/tests.out" "$OUT/bench.out"

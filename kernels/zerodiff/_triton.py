@@ -110,3 +110,26 @@ if HAVE_TRITON:
         else:
             # explicit saturation: the native cast's overflow behaviour is not relied upon
             return tl.clamp(x, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
+
+    @triton.jit
+    def cache_row_offset(row, BPT: tl.constexpr):
+        """``row * BPT`` for gathered cache rows, with its true byte alignment (up to 16) stated.
+
+        Triton's divisibility analysis over-estimates the alignment of products like
+        ``(block * BLOCK_SIZE + pos % BLOCK_SIZE) * BPT`` (it keeps the divisibility of the contiguous run
+        that ``pos % BLOCK_SIZE`` came from), and then emits 16-byte vector loads at rows that are only
+        ``BPT``-aligned: a misaligned-address fault on the H200 for BPT = 132 (measured 2026-11-30).
+        """
+        off = row * BPT
+        if BPT % 16 == 0:
+            off = tl.multiple_of(off, 16)
+        elif BPT % 8 == 0:
+            off = tl.multiple_of(off, 8)
+        elif BPT % 4 == 0:
+            off = tl.multiple_of(off, 4)
+        elif BPT % 2 == 0:
+            off = tl.multiple_of(off, 2)
+        else:
+            off = tl.multiple_of(off, 1)
+        return off
+

@@ -57,7 +57,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .._triton import cast_e4m3
+    from .._triton import cache_row_offset, cast_e4m3
 
     @triton.jit
     def _index_write_kernel(k_ptr, k_stride, cache_ptr, slot_ptr, BPT: tl.constexpr, D: tl.constexpr,
@@ -98,7 +98,8 @@ if HAVE_TRITON:
             lb = s // BLOCK_SIZE
             blk = tl.load(bt_ptr + req * bt_s0 + lb, mask=sm & (lb < max_blocks), other=-1).to(tl.int64)
             ok = sm & (blk >= 0) & (blk < num_blocks)
-            row = cache_ptr + tl.where(ok, blk * BLOCK_SIZE + s % BLOCK_SIZE, 0) * BPT
+            # BPT (D + 4 bytes) is only a multiple of 4: see _triton.cache_row_offset
+            row = cache_ptr + cache_row_offset(tl.where(ok, blk * BLOCK_SIZE + s % BLOCK_SIZE, 0), BPT)
             di = tl.arange(0, D)
             code = tl.load(row[:, None] + di[None, :], mask=ok[:, None], other=0)
             kf = code.to(tl.float8e4nv, bitcast=True)

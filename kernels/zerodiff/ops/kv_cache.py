@@ -61,7 +61,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .._triton import cast_bf16, cast_e4m3
+    from .._triton import cache_row_offset, cast_bf16, cast_e4m3
 
     @triton.jit
     def _kv_write_kernel(
@@ -105,7 +105,7 @@ if HAVE_TRITON:
         ok = (~empty) & in_table & (blk >= 0) & (blk < num_blocks)
         bad = (~empty) & (~ok)
         row = tl.where(ok, blk * BLOCK_SIZE + pos % BLOCK_SIZE, 0)
-        base = cache_ptr + row * BPT  # [BLOCK_W]
+        base = cache_ptr + cache_row_offset(row, BPT)  # [BLOCK_W]
         D: tl.constexpr = D_NOPE + D_ROPE
         obase = out_ptr + (r.to(tl.int64) * W + j.to(tl.int64)) * D  # [BLOCK_W]
         gi = tl.arange(0, G)

@@ -99,7 +99,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .._triton import cast_bf16
+    from .._triton import cache_row_offset, cast_bf16
 
     @triton.jit
     def _resolve_rows(kv_ptr, kv_s0, S, idx, cache_ptr, bt_ptr, bt_s0, req, num_blocks, max_blocks,
@@ -113,7 +113,7 @@ if HAVE_TRITON:
             blk = tl.load(bt_ptr + req * bt_s0 + lb, mask=valid & in_table, other=-1).to(tl.int64)
             ok = valid & in_table & (blk >= 0) & (blk < num_blocks)
             bad = valid & (~ok)
-            base = cache_ptr + tl.where(ok, blk * BLOCK_SIZE + idx % BLOCK_SIZE, 0) * BPT
+            base = cache_ptr + cache_row_offset(tl.where(ok, blk * BLOCK_SIZE + idx % BLOCK_SIZE, 0), BPT)
         else:
             ok = (idx >= 0) & (idx < S)
             bad = idx < -2147483648  # never: the workspace path has no unresolvable rows
