@@ -59,3 +59,16 @@ def test_cli_restores_thread_count():
     n = torch.get_num_threads()
     e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--quiet"])
     assert torch.get_num_threads() == n
+
+
+def test_bench_cpu_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = e2e_cli.main(["bench", "--config", "cpu", "--steps", "1", "--warmup", "0", "--quiet", "--json", str(out),
+                       "--png", str(tmp_path / "b.png")])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["rows"][0]["consistent_probs_diff_max"] == 0.0
+    assert doc["rows"][0]["baseline_tokens_differ"] > 0
+    assert doc["ratio"] > 0 and doc["baseline_choice"]
+    txt = capsys.readouterr().out
+    assert ("wrote" in txt) or ("PNG skipped" in txt)

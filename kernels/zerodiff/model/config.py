@@ -84,11 +84,11 @@ H200 = Preset(
         routed_scale=2.5, max_pos=8192, init_std=0.02,
     ),
     RolloutConfig(
-        prompts_per_step=16, responses_per_prompt=4, prompt_len=(2048, 6144), response_len=(64, 256),
-        block_size=64, num_blocks=6144, token_budget=(4096, 16384), max_batch=(16, 64),
-        reward_tokens=4096, graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+        prompts_per_step=8, responses_per_prompt=2, prompt_len=(1024, 4096), response_len=(32, 128),
+        block_size=64, num_blocks=2048, token_budget=(2048, 8192), max_batch=(4, 16),
+        reward_tokens=4096, graph_batch_sizes=(1, 2, 4, 8, 16),
     ),
-    TrainConfig(micro_tokens=16384, lr=1e-4),
+    TrainConfig(micro_tokens=4096, lr=1e-4),
 )
 
 # GPU smoke preset (for the gpu-marked tests): the H200 per-head shapes (512 + 64 latent, 128-wide indexer)

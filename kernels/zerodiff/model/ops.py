@@ -64,7 +64,7 @@ def _cuda(t) -> bool:
 # shape-dependent BLAS / vectorised exp, whose rare last-bit flips would make CPU CI flaky; the interim
 # implementations have the same contracts up to rounding and are row-invariant by construction).
 def rms_norm(x, w, eps):
-    return _rmsnorm_op.rms_norm(x, w, eps) if _cuda(x) else _I.rms_norm(x, w, eps)
+    return _rmsnorm_op.rms_norm(x.contiguous(), w, eps) if _cuda(x) else _I.rms_norm(x, w, eps)
 
 
 def bf16_gemm(x, w, *, out_dtype=torch.bfloat16):
@@ -407,15 +407,20 @@ class ConsistentOps:
             v = self.k_attention(q, ws, sel, sm_scale, step, (kv_nope, k_rope))
 
         def gfn():
+            # dense masked form of the same attention (the selection is a mask over this step's tokens): no
+            # [T, K, d_qk] gather, memory [T, h, T]; the index order only matters for the visible bits
             flat = step.flat_index(sel)  # [T, K] index into this step's tokens, -1 invalid
+            T = q.shape[0]
+            mask = torch.zeros(T, T + 1, dtype=torch.bool, device=q.device)
+            mask.scatter_(1, torch.where(flat >= 0, flat, torch.full_like(flat, T)), True)
+            mask = mask[:, :T]
             kv = torch.cat([self.g(kv_nope), self.g(k_rope)], -1)  # [T, dqk]
-            valid = flat >= 0
-            kg = kv[flat.clamp(min=0).long()]  # [T, K, dqk]
             qg = self.g(q)
-            s = torch.einsum("thd,tkd->thk", qg, kg) * sm_scale
-            s = s.masked_fill(~valid[:, None, :], float("-inf"))
+            s = torch.einsum("thd,sd->ths", qg, kv) * sm_scale
+            s = s.masked_fill(~mask[:, None, :], float("-inf"))
             p = torch.softmax(s, -1)
-            return torch.einsum("thk,tkd->thd", p, kg[..., : cfg.d_latent])
+            p = torch.where(mask.any(-1)[:, None, None], p, torch.zeros_like(p))
+            return torch.einsum("ths,sd->thd", p, kv[:, : cfg.d_latent])
 
         return self.put(v, gfn)
 
