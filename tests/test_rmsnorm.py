@@ -1,6 +1,6 @@
-"""RMSNorm with a pinned pairwise-tree reduction: the kernel equals the CPU reference bit for bit (through
-the interpreter on the CPU and natively on the GPU), victim-in-batch invariance, the fused residual add,
-negative controls, bad inputs."""
+"""RMSNorm with a reduction order pinned by H: the kernel is within 1 bf16 ulp of the CPU reference
+(through the interpreter on the CPU and natively on the GPU), bitwise victim-in-batch invariance, the fused
+residual add (exact), negative controls, bad inputs."""
 
 import pytest
 import torch
@@ -15,6 +15,17 @@ cpu_triton = pytest.mark.skipif(not CPU_TRITON, reason="needs Triton's CPU inter
 
 def beq(a, b):
     return a.shape == b.shape and torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))
+
+
+def ulp_close(a, b, ulps=1):
+    """bf16 tensors within ``ulps`` units in the last place (same sign or both zero)."""
+    if a.shape != b.shape:
+        return False
+    ia = a.cpu().view(torch.int16).to(torch.int32)
+    ib = b.cpu().view(torch.int16).to(torch.int32)
+    zero = ((ia & 0x7FFF) == 0) & ((ib & 0x7FFF) == 0)
+    same_sign = (ia < 0) == (ib < 0)
+    return bool(((zero) | (same_sign & ((ia - ib).abs() <= ulps))).all())
 
 
 def _rand(g, shape, scale=1.0):
@@ -113,17 +124,17 @@ def test_bad_inputs_raise(backend):
 
 @cpu_triton
 @pytest.mark.parametrize("H", [7, 128, 1000, 4096, 7168])
-def test_interpreter_bitwise_vs_reference(seeded, H):
+def test_interpreter_close_to_reference(seeded, H):
     g = seeded()
     x = torch.cat([_rand(g, (3, H), 2.0), adversarial_rows(g, H)], 0)
     for w in (_rand(g, (H,)), torch.randn(H, generator=g), torch.ones(H, dtype=torch.bfloat16)):
         for eps in (1e-6, 1e-5):
             y = rms_norm(x, w, eps, backend="triton")
-            assert beq(y, rms_norm_ref(x, w, eps)), (H, w.dtype, eps)
+            assert ulp_close(y, rms_norm_ref(x, w, eps)), (H, w.dtype, eps)
         res = _rand(g, (x.shape[0], H), 2.0)
         y, r = rms_norm(x, w, 1e-6, residual=res, backend="triton")
         yr, rr = rms_norm_ref(x, w, 1e-6, residual=res)
-        assert beq(y, yr) and beq(r, rr)
+        assert ulp_close(y, yr) and beq(r, rr)
         # fused residual == add-then-norm
         assert beq(r, (x.float() + res.float()).to(torch.bfloat16))
         assert beq(y, rms_norm(r, w, 1e-6, backend="triton"))
@@ -139,7 +150,8 @@ def test_interpreter_shapes_and_strides(seeded):
     assert y3.shape == x3.shape and beq(y3.reshape(6, H), rms_norm(x3.reshape(6, H), w, backend="triton"))
     big = _rand(g, (4, 2 * H))
     view = big[:, :H]  # row stride 2H
-    assert beq(rms_norm(view, w, backend="triton"), rms_norm_ref(view.contiguous(), w))
+    assert beq(rms_norm(view, w, backend="triton"), rms_norm(view.contiguous(), w, backend="triton"))
+    assert ulp_close(rms_norm(view, w, backend="triton"), rms_norm_ref(view.contiguous(), w))
     assert rms_norm(torch.zeros(0, H, dtype=torch.bfloat16), w, backend="triton").shape == (0, H)
 
 
@@ -182,16 +194,19 @@ def _rand_cuda(gc, shape, scale=1.0):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [4096, 7168])
-def test_gpu_bitwise_vs_cpu_reference(seeded, H):
+def test_gpu_close_to_cpu_reference(seeded, H):
     g = seeded()
     x = torch.cat([_rand(g, (2048, H), 2.0), adversarial_rows(g, H)], 0)
     w = _rand(g, (H,))
     res = _rand(g, x.shape)
     y = rms_norm(x.cuda(), w.cuda(), 1e-6)
-    assert beq(y, rms_norm_ref(x, w, 1e-6))
+    ref = rms_norm_ref(x, w, 1e-6)
+    assert ulp_close(y, ref)
+    print(f"H={H}: {(y.cpu().view(torch.int16) != ref.view(torch.int16)).float().mean().item():.4%} of "
+          "elements 1 ulp off the pairwise-tree CPU reference")
     y2, r2 = rms_norm(x.cuda(), w.cuda(), 1e-6, residual=res.cuda())
     yr, rr = rms_norm_ref(x, w, 1e-6, residual=res)
-    assert beq(y2, yr) and beq(r2, rr)
+    assert ulp_close(y2, yr) and beq(r2, rr)
 
 
 @pytest.mark.gpu

@@ -10,12 +10,16 @@ Numerical contract (bit-exact reference: :func:`zerodiff.reference.rmsnorm.rms_n
 * ``x`` BF16 ``[T, H]`` (any leading dims are flattened to rows; the last dim must be contiguous),
   ``weight`` BF16 or FP32 ``[H]``, ``residual`` BF16 with ``x``'s shape. ``eps`` is taken as FP32.
 * Residual: ``r = bf16(float(x) + float(residual))`` is returned as the new residual and ``y = norm(r)``.
-* One row per program; FP32 math, each step one correctly rounded operation, FMA contraction off:
-  ``sq = v * v``; ``ss`` = pairwise tree over the row zero-padded to ``P = next_pow2(H)``
-  (``a'[i] = a[2i] + a[2i+1]`` level by level); ``ms = div_rn(ss, H)``; ``den = sqrt_rn(ms + eps)``;
+* One row per program; FP32 math, FMA contraction off: ``sq = v * v``; ``ss = tl.sum(sq)`` over the row
+  zero-padded to ``P = next_pow2(H)`` with the launch configuration ``(P, num_warps)`` chosen from H
+  alone, so the reduction tree is fixed by H; ``ms = div_rn(ss, H)``; ``den = sqrt_rn(ms + eps)``;
   ``rstd = div_rn(1, den)``; ``y = bf16_rne((v * rstd) * w)``.
-* The order is set by H alone (not by T, the row's position, the block size or the warp count), so the
-  result is batch-invariant by construction and equals the CPU reference bit for bit.
+* The order is set by H alone (not by T, the row's position or anything else in the batch), so the
+  result is batch-invariant by construction, and rollout and training (same kernel, same H) agree bit for
+  bit. The CPU reference :func:`zerodiff.reference.rmsnorm.rms_norm_ref` uses a pairwise tree for ``ss``:
+  the kernel's tree differs, so kernel and reference agree to 1 bf16 ulp (tested), not bit for bit.
+  (An earlier version reproduced the pairwise tree level by level in Triton: bit-exact against the CPU
+  but 60-340x slower than ``F.rms_norm`` on the H200, 2026-11-30.)
 
 Bad inputs raise with the argument named: non-BF16 ``x``/``residual``, weight dtype/shape, residual
 shape, non-contiguous last dim, ``H`` above 65536, non-finite or negative ``eps``, unknown backend.
@@ -50,17 +54,9 @@ if zt.HAVE_TRITON:
             return x.to(tl.float32)
 
     @triton.jit
-    def pairwise_tree_sum(a, LOG2P: tl.constexpr):
-        """Sum of a 1-D power-of-two-long tensor by the pairwise tree ``a'[i] = a[2i] + a[2i+1]``."""
-        for _ in tl.static_range(LOG2P):
-            lo, hi = tl.split(tl.reshape(a, [a.shape[0] // 2, 2]))
-            a = lo + hi
-        return tl.sum(a, axis=0)  # one element left: exact
-
-    @triton.jit
     def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, ro_ptr, H, eps,
                         sx, sres, sy, sro,
-                        HAS_RES: tl.constexpr, W_BF16: tl.constexpr, P: tl.constexpr, LOG2P: tl.constexpr, EXACT: tl.constexpr):
+                        HAS_RES: tl.constexpr, W_BF16: tl.constexpr, P: tl.constexpr, EXACT: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, P)
         m = cols < H
@@ -70,7 +66,7 @@ if zt.HAVE_TRITON:
             rb = cast_bf16(v + rs, EXACT)
             tl.store(ro_ptr + row * sro + cols, rb, mask=m)
             v = bf16_to_f32(rb, EXACT)
-        ss = pairwise_tree_sum(v * v, LOG2P)
+        ss = tl.sum(v * v, axis=0)
         ms = tl.div_rn(ss, H.to(tl.float32))
         den = tl.sqrt_rn(ms + eps)
         rstd = tl.div_rn(1.0, den)
@@ -81,11 +77,11 @@ if zt.HAVE_TRITON:
         tl.store(y_ptr + row * sy + cols, cast_bf16(y, EXACT), mask=m)
 
 
-def _config(H: int) -> tuple[int, int, int]:
-    """(P, log2 P, num_warps) from H only."""
+def _config(H: int) -> tuple[int, int]:
+    """(P, num_warps) from H only: this pins the kernel's reduction tree."""
     P = max(16, 1 << (H - 1).bit_length())
     nw = 4 if P <= 1024 else (8 if P <= 4096 else 16)
-    return P, P.bit_length() - 1, nw
+    return P, nw
 
 
 def _rows(t: torch.Tensor, H: int) -> torch.Tensor:
@@ -142,10 +138,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
         r2, ro = x2, y
     w = weight if weight.stride(0) == 1 else weight.contiguous()
     if T:
-        P, LOG2P, nw = _config(H)
+        P, nw = _config(H)
         _rmsnorm_kernel[(T,)](
             x2, r2, w, y, ro, H, eps, x2.stride(0), r2.stride(0), y.stride(0), ro.stride(0),
-            HAS_RES=residual is not None, W_BF16=w.dtype == torch.bfloat16, P=P, LOG2P=LOG2P, EXACT=zt.EXACT_CASTS,
+            HAS_RES=residual is not None, W_BF16=w.dtype == torch.bfloat16, P=P, EXACT=zt.EXACT_CASTS,
             num_warps=nw, **zt.LAUNCH_OPTS)
     y = y.reshape(x.shape)
     if residual is None:
