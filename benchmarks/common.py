@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import statistics
 import sys
 from typing import Callable
@@ -24,13 +25,49 @@ def device_name() -> str:
     return "cpu"
 
 
-def median_ms(fn: Callable[[], object], warmup: int = 10, rep: int = 50) -> float:
-    """Median wall time of ``fn`` in milliseconds, timed with CUDA events around each call."""
+#: how each median_ms call was timed ("graph" or "eager"), consumed by row()
+_MODES: list[str] = []
+
+
+def _capture(fn):
+    """Capture ``fn`` into a CUDA graph (after side-stream warm-up), or return None if it can't be captured
+    (host syncs, allocations outside the pool, ...)."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        torch.cuda.synchronize()
+        return g
+    except Exception:
+        torch.cuda.synchronize()
+        return None
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 10, rep: int = 50, graph: bool | None = None) -> float:
+    """Median time of ``fn`` in milliseconds, timed with CUDA events around each call.
+
+    ``graph`` (default: env ``ZD_BENCH_GRAPH``, else True) times CUDA-graph replays of ``fn`` when it can
+    be captured, so host launch overhead is out of the number for ours and stock alike (rollout decode
+    runs under CUDA graphs); calls that cannot be captured are timed eagerly. The mode used is recorded
+    and reported by :func:`row`.
+    """
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks need a CUDA device; nothing to measure on the CPU")
+    if graph is None:
+        graph = os.environ.get("ZD_BENCH_GRAPH", "1") != "0"
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    g = _capture(fn) if graph else None
+    run = g.replay if g is not None else fn
+    _MODES.append("graph" if g is not None else "eager")
     # flush L2 between reps so weights/KV are not served from cache
     flush = torch.empty(int(256e6) // 4, dtype=torch.int32, device="cuda")
     times = []
@@ -39,10 +76,11 @@ def median_ms(fn: Callable[[], object], warmup: int = 10, rep: int = 50) -> floa
         s = torch.cuda.Event(enable_timing=True)
         e = torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        run()
         e.record()
         e.synchronize()
         times.append(s.elapsed_time(e))
+    del g
     return statistics.median(times)
 
 
@@ -55,6 +93,9 @@ def row(op: str, shape: str, ours_ms: float, stock_ms: float, stock: str, **extr
         "ratio": round(ours_ms / stock_ms, 4) if stock_ms > 0 else None,
         "stock": stock,
     }
+    if _MODES and "timing" not in extra:  # how the measurements since the last row were timed
+        r["timing"] = _MODES[0] if len(set(_MODES)) == 1 else "mixed: " + ",".join(_MODES)
+    _MODES.clear()
     r.update(extra)
     print(f"{op:28s} {shape:38s} ours {ours_ms:9.4f} ms  stock {stock_ms:9.4f} ms  "
           f"ratio {r['ratio']}  [{stock}]", flush=True)
