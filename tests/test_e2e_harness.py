@@ -41,8 +41,8 @@ def _clone(reqs):
 
 
 def test_consistent_diff_zero_over_steps_with_varied_batches():
-    run = RLRun(SMALL, seed=11, mode="consistent")
-    reps = [run.run_step() for _ in range(2)]
+    run = RLRun(CPU, seed=11, mode="consistent")
+    reps = [run.run_step() for _ in range(3)]
     for rep in reps:
         assert rep["bitwise_equal"], rep
         assert rep["tokens_differ"] == 0 and rep["tokens"] > 50
@@ -224,3 +224,45 @@ def test_graph_decode_path_emulated_on_cpu_equals_eager(mode):
         for r in reqs:
             assert res["emulate"][r.rid].response == res[False][r.rid].response
             assert torch.equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs)
+
+
+def test_forward_victim_decode_at_dispatch_boundaries():
+    """One decode token of a victim request alone and among 0..64 filler decode tokens, at several positions
+    in the flat batch: its logits are bitwise identical (batch sizes on every known boundary, incl. the
+    CPU path's 16-row chunks). Negative control: the stock inference ops differ for some batch."""
+    from zerodiff.model.cache import PagedCache
+    from zerodiff.model.forward import build_step, forward_step
+
+    cfg = CPU.model
+    masters = init_masters(cfg, 9)
+    dep = Deployment(masters)
+    rng = random.Random(4)
+    n_fill = 64
+    prompts = [[rng.randrange(cfg.vocab) for _ in range(rng.randint(5, 30))] for _ in range(n_fill + 1)]
+    results = {}
+    for mode in ("consistent", "baseline"):
+        ops = make_ops(mode, "rollout", cfg)
+        cache = PagedCache(cfg, 512, 8)
+        blocks = [cache.allocator.alloc(5) for _ in prompts]
+        pre = [{"tokens": p, "start": 0, "blocks": b, "key": i} for i, (p, b) in enumerate(zip(prompts, blocks))]
+        with torch.no_grad():
+            forward_step(dep, build_step(pre), cache, ops)  # prefill everyone once
+
+        def decode(members):
+            seqs = [{"tokens": [7 + i], "start": len(prompts[i]), "blocks": blocks[i], "key": i,
+                     "logits_set": {0}} for i in members]
+            with torch.no_grad():
+                lg = forward_step(dep, build_step(seqs), cache, ops)
+            return lg[members.index(0)]
+
+        alone = decode([0])
+        same, total = 0, 0
+        for n in (2, 15, 16, 17, 31, 32, 33, 63, 64, 65):
+            fill = list(range(1, n))
+            for at in sorted({0, n // 2, n - 1}):
+                members = fill[:at] + [0] + fill[at:]
+                total += 1
+                same += int(torch.equal(decode(members), alone))
+        results[mode] = (same, total)
+    assert results["consistent"][0] == results["consistent"][1], results
+    assert results["baseline"][0] < results["baseline"][1], results  # negative control
