@@ -122,6 +122,16 @@ def test_reference_error_bound(seeded):
     assert bool((err <= bound).all())
 
 
+def _diff(name, a, b, x):
+    """Describe the first mismatches (index, input, ours, reference) for a failing bitwise check."""
+    bad = (a != b).nonzero()
+    rows = []
+    for idx in bad[:6].tolist():
+        xi = x[tuple(idx)].item() if name == "q" else None
+        rows.append((idx, xi, a[tuple(idx)].item(), b[tuple(idx)].item()))
+    return f"{name}: {bad.shape[0]} of {a.numel()} differ; first (index, x, ours, ref): {rows}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_gpu_quant_matches_rule(ue8m0):
@@ -130,7 +140,8 @@ def test_gpu_quant_matches_rule(ue8m0):
     x = torch.cat([x, (torch.randn(4090, 7168 + 64, generator=g) * 4).to(torch.bfloat16).cuda()])
     q, s = quant_act(x, ue8m0=ue8m0, backend="triton")
     q2, s2 = ref.quant_per_token_group_ref(x, 128, ue8m0)
-    assert torch.equal(q.view(U8), q2.view(U8)) and torch.equal(s, s2)
+    assert torch.equal(s, s2), _diff("scale", s, s2, x)
+    assert torch.equal(q.view(U8), q2.view(U8)), _diff("q", q.view(U8), q2.view(U8), x)
     w = (torch.randn(2048 + 64, 7168, generator=g) * 0.02).to(torch.bfloat16).cuda()
     qw, sw = quant_weight(w, ue8m0=ue8m0, backend="triton")
     qw2, sw2 = ref.quant_weight_block_ref(w, 128, ue8m0)
