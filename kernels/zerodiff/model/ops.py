@@ -101,14 +101,19 @@ INTERIM_OPS = ("CPU only: rms_norm, bf16_gemm, router_gemm, token_logprobs, spar
                "silu_mul_quant_fp8 / fp8_gemm (zerodiff.ops.moe.moe_experts not wired yet)")
 
 BASELINE_CHOICE = {
-    "fp8 linear": "rollout: BF16 F.linear on dequantised FP8 weight and BF16 activation (no act quant); "
-                  "training: FP32 matmul of BF16 activation with dequantised weight",
+    "fp8 linear": "rollout: BF16 F.linear (cuBLAS on CUDA) with a cached BF16 dequantised copy of the FP8 weight, "
+                  "BF16 activation (no act quant); training: FP32 matmul of BF16 activation with dequantised weight",
+    "moe experts": "rollout: per-expert BF16 F.linear on cached dequantised weights, stock SiLU*mul -> FP8 group "
+                   "quant -> dequant; training: FP32 swiglu, no FP8",
     "router": "rollout: BF16 F.linear then .float(); training: FP32 F.linear",
     "expert / DSA top-k": "torch.topk (both sides)",
     "silu*mul": "rollout: BF16 F.silu(g) * u (two roundings) then stock group quant; training: FP32 swiglu, no FP8",
-    "attention": "rollout: prefill FP32 softmax over the FP8-cache workspace, decode a split-K (batch-size "
-                 "dependent split count) variant with BF16 probabilities; training: dense FP32 attention over "
-                 "the fresh BF16 K/V (never through FP8) masked to the selected positions",
+    "attention": "rollout: prefill FP32 torch softmax over the FP8-cache workspace, decode a torch split-K "
+                 "(batch-size dependent split count) variant with BF16 probabilities (NOT FlashMLA's FP8 decode "
+                 "kernel yet); training: dense FP32 attention over the fresh BF16 K/V (never through FP8) masked "
+                 "to the selected positions",
+    "DSA indexer": "same scores as the consistent path (CUDA: zerodiff.ops.indexer.index_scores; CPU: interim), "
+                   "then torch.topk",
     "mHC": "rollout: zerodiff.ops.mhc.mhc_pre_split_baseline (split count from the token count); "
            "training: mhc_pre_torch_eager",
     "rms norm / log-softmax / lm head": "stock torch FP32 ops (shape-dependent reductions)",
@@ -507,8 +512,30 @@ class ConsistentOps:
 
 
 # ---- baseline (negative control) -----------------------------------------------------------------------
+_DEQ_CACHE: dict = {}  # id(q) -> (weakref(q), version, dequantised BF16 weight)
+
+
 def _deq(w: Fp8Weight):
+    """FP32 dequantised weight (per call)."""
     return dequant_weight_block_ref(w.q, w.scale)
+
+
+def _deq_bf16_cached(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """BF16 dequantised weight ([N, K] or stacked [E, N, K]), cached per code tensor object and version: the
+    stock inference baseline keeps a BF16 copy so its GEMM is a plain cuBLAS/CPU BF16 GEMM (fast)."""
+    import weakref
+
+    hit = _DEQ_CACHE.get(id(q))
+    if hit is not None and hit[0]() is q and hit[1] == q._version:
+        return hit[2]
+    if q.dim() == 2:
+        d = dequant_weight_block_ref(q, scale).to(torch.bfloat16)
+    else:
+        d = torch.stack([dequant_weight_block_ref(q[e], scale[e]) for e in range(q.shape[0])]).to(torch.bfloat16)
+    for k in [k for k, v in _DEQ_CACHE.items() if v[0]() is None]:
+        del _DEQ_CACHE[k]
+    _DEQ_CACHE[id(q)] = (weakref.ref(q), q._version, d)
+    return d
 
 
 class BaselineRolloutOps(ConsistentOps):
@@ -521,7 +548,13 @@ class BaselineRolloutOps(ConsistentOps):
         return F.rms_norm(x.float(), (x.shape[-1],), w.float(), self.cfg.rms_eps).to(torch.bfloat16)
 
     def k_fp8_linear(self, x, w):
-        return F.linear(x, _deq(w).to(torch.bfloat16))
+        return F.linear(x, _deq_bf16_cached(w.q, w.scale))
+
+    def _expert_bf16(self, x, w13, w2):
+        h = F.linear(x, w13)
+        q, s = self.k_swiglu_quant(h)
+        a = (q.float() * s.repeat_interleave(128, dim=1)[:, : q.shape[1]]).to(torch.bfloat16)
+        return F.linear(a, w2)
 
     def k_bf16_linear(self, x, w, out_dtype):
         return F.linear(x, w).to(out_dtype)
@@ -561,14 +594,15 @@ class BaselineRolloutOps(ConsistentOps):
 
     def k_experts(self, xr, w13, w2, row_expert):
         out = torch.zeros(xr.shape[0], w2.q.shape[1], dtype=torch.bfloat16, device=xr.device)
+        W13 = _deq_bf16_cached(w13.q, w13.scale)
+        W2 = _deq_bf16_cached(w2.q, w2.scale)
         if self.graph_safe:
             for e in range(w13.q.shape[0]):
-                y = self._expert_visible(xr, Fp8Weight(w13.q[e], w13.scale[e]), Fp8Weight(w2.q[e], w2.scale[e]))
-                out = torch.where((row_expert == e)[:, None], y, out)
+                out = torch.where((row_expert == e)[:, None], self._expert_bf16(xr, W13[e], W2[e]), out)
             return out
         for e in torch.unique(row_expert).tolist():
             rr = (row_expert == e).nonzero(as_tuple=True)[0]
-            out[rr] = self._expert_visible(xr[rr], Fp8Weight(w13.q[e], w13.scale[e]), Fp8Weight(w2.q[e], w2.scale[e]))
+            out[rr] = self._expert_bf16(xr[rr], W13[e], W2[e])
         return out
 
     def k_logprobs(self, logits, ids):
@@ -634,6 +668,13 @@ class BaselineTrainOps(BaselineRolloutOps):
 
     def k_swiglu_quant(self, h):
         return None, None  # unused: _expert_visible is overridden
+
+    def k_experts(self, xr, w13, w2, row_expert):
+        out = torch.zeros(xr.shape[0], w2.q.shape[1], dtype=torch.bfloat16, device=xr.device)
+        for e in torch.unique(row_expert).tolist():
+            rr = (row_expert == e).nonzero(as_tuple=True)[0]
+            out[rr] = self._expert_visible(xr[rr], Fp8Weight(w13.q[e], w13.scale[e]), Fp8Weight(w2.q[e], w2.scale[e]))
+        return out
 
     def _expert_visible(self, x, w13, w2):
         h = (x.float() @ _deq(w13).t())
