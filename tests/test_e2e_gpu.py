@@ -31,7 +31,7 @@ def test_gpu_rl_steps_diff_zero_with_graphs():
         assert rep["bitwise_equal"], rep
         assert rep["mixed_steps"] > 0 and rep["decode_steps"] > 0
     assert run.rollout_dep.data_ptrs() == ptrs  # requantised in place: captured graphs stay valid
-    assert sum(h["graph_steps"] for h in run.history) > 0
+    assert sum(h["graph_steps"] for h in run.history) > 0, run.engine.graphs.disabled
 
 
 def test_gpu_baseline_shows_diff():
@@ -66,7 +66,7 @@ def test_gpu_cuda_graph_equals_eager():
                             sample_seed=3, use_graphs=graphs)
         res[graphs] = eng.generate([Request(r.rid, list(r.prompt), r.max_new) for r in reqs], 5)
         if graphs:
-            assert eng.stats["graph_steps"] > 0
+            assert eng.stats["graph_steps"] > 0, eng.graphs.disabled
     for r in reqs:
         assert res[True][r.rid].response == res[False][r.rid].response
         assert torch.equal(res[True][r.rid].logprobs, res[False][r.rid].logprobs)

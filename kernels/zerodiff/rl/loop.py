@@ -166,6 +166,9 @@ class RLRun:
                    rollout_tok_per_s=round(ntok / t_roll, 2) if t_roll > 0 else None)
         if div is not None:
             rep["first_divergence"] = div
+        g = self.engine.graphs
+        if g is not None and g.disabled:
+            rep["cuda_graphs_disabled"] = g.disabled
         return rep
 
     def _optimizer_step(self) -> None:

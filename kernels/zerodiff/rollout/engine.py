@@ -125,7 +125,7 @@ class RolloutEngine:
             with torch.no_grad():
                 if pure_decode and self.graphs is not None and rec is None and self.graphs.supports(step):
                     logits = self.graphs.run(step, eager=self.emulate_graphs)
-                    self.stats["graph_steps"] += 1
+                    self.stats["graph_steps"] += int(self.graphs.disabled is None)
                 else:
                     logits = forward_step(self.dep, step, self.cache, self.ops, record=rec)
                 # sample + log-probs for the rows that produced logits (in logits_rows order)

@@ -30,6 +30,7 @@ class DecodeGraphs:
         self.scratch = engine.cache.allocator.alloc(1)[0]  # padding rows live here
         self.graphs: dict = {}
         self.pool = None
+        self.disabled: str | None = None  # why capture failed (then decode steps run eagerly; reported)
 
     def _static_step(self, S: int) -> StepInputs:
         dev = self.engine.device
@@ -88,7 +89,7 @@ class DecodeGraphs:
         return self.graphs[S]
 
     def supports(self, step: StepInputs) -> bool:
-        return step.T <= self.sizes[-1] and step.block_table.shape[1] <= self.max_blocks
+        return self.disabled is None and step.T <= self.sizes[-1] and step.block_table.shape[1] <= self.max_blocks
 
     def run(self, step: StepInputs, *, eager: bool = False) -> torch.Tensor:
         """Logits [B, vocab] for a pure-decode step (replay; ``eager=True`` runs the same padded static step
@@ -107,7 +108,18 @@ class DecodeGraphs:
                 return self._run_eager_static(st)[:B].clone()
             finally:
                 self.engine.ops.graph_safe = old
-        g, st, out = self.graphs.get(S) or self._capture(S)
+        entry = self.graphs.get(S)
+        if entry is None:
+            try:
+                entry = self._capture(S)
+            except Exception as e:  # fail loudly but keep the rollout running eagerly (graph_steps stays 0)
+                import warnings
+
+                self.disabled = f"CUDA graph capture failed for batch {S}: {type(e).__name__}: {e}"
+                warnings.warn("zerodiff: " + self.disabled + "; pure-decode steps run eagerly")
+                torch.cuda.synchronize()
+                return forward_step(self.engine.dep, step, self.engine.cache, self.engine.ops)
+        g, st, out = entry
         self._fill(st, step)
         g.replay()
         return out[:B].clone()
