@@ -107,7 +107,7 @@ if zt.HAVE_TRITON:
                 ebits = tl.where((bits & 0x007FFFFF) != 0, ebits + 0x00800000, ebits)
                 scale = ebits.to(tl.float32, bitcast=True)
             qv = cast_e4m3(tl.div_rn(v, scale[:, None]), EXACT).to(tl.uint8, bitcast=True)
-            qv = tl.where(valid, qv, 0)
+            qv = tl.where(valid, qv, 0).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
             scale = tl.where(valid, scale, 0.0)
             tl.store(orow + cols, qv, mask=cmask)
             srow = s_ptr + e64 * ss_e + c64 * ss_c
@@ -170,19 +170,17 @@ def _backend(x: torch.Tensor, backend: str | None, name: str) -> str:
     return backend
 
 
-def _launch(x3, counts, out, scale, masked, quant, clamp_limit, ue8m0, group):
-    E, C, N2 = x3.shape
-    N = N2 // 2
-    GROUP, GPP = _config(N, group)
-    grid = (E * C, triton.cdiv(triton.cdiv(N, GROUP), GPP))
+def _launch(x, counts, out, scale, E, C, sx, so, ss, masked, quant, clamp_limit, ue8m0, group):
+    """One launch; ``sx``/``so``/``ss`` are (expert, row) strides (no tensor views: low host overhead)."""
     if E * C == 0:
         return
-    s_arg = scale if quant else out
-    ss = scale.stride() if quant else (0, 0, 0)
+    N = x.shape[-1] // 2
+    GROUP, GPP = _config(N, group)
+    grid = (E * C, triton.cdiv(triton.cdiv(N, GROUP), GPP))
     _silu_mul_kernel[grid](
-        x3, out, s_arg, counts if masked else x3, C, N,
+        x, out, scale if quant else out, counts if masked else x, C, N,
         float(clamp_limit) if clamp_limit is not None else 0.0,
-        x3.stride(0), x3.stride(1), out.stride(0), out.stride(1), ss[0], ss[1],
+        sx[0], sx[1], so[0], so[1], ss[0], ss[1],
         MASKED=masked, QUANT=quant, HAS_LIMIT=clamp_limit is not None, UE8M0=bool(ue8m0),
         GROUP=GROUP, GPP=GPP, EXACT=zt.EXACT_CASTS, num_warps=_NUM_WARPS, **zt.LAUNCH_OPTS)
 
@@ -196,7 +194,7 @@ def silu_mul(x: torch.Tensor, *, clamp_limit: float | None = None, backend: str 
         return silu_mul_ref(x, clamp_limit)
     M = x.shape[0]
     out = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
-    _launch(x.unsqueeze(0), None, out.unsqueeze(0), None, False, False, clamp_limit, False, 128)
+    _launch(x, None, out, None, 1, M, (0, x.stride(0)), (0, N), (0, 0), False, False, clamp_limit, False, 128)
     return out
 
 
@@ -212,8 +210,8 @@ def silu_mul_quant_fp8(x: torch.Tensor, *, group: int = 128, clamp_limit: float 
     M = x.shape[0]
     q = torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((M, N // group), dtype=torch.float32, device=x.device)
-    _launch(x.unsqueeze(0), None, q.view(torch.uint8).unsqueeze(0), scale.unsqueeze(0), False, True,
-            clamp_limit, ue8m0, group)
+    G = N // group
+    _launch(x, None, q, scale, 1, M, (0, x.stride(0)), (0, N), (0, G), False, True, clamp_limit, ue8m0, group)
     return q, scale
 
 
@@ -237,5 +235,7 @@ def silu_mul_quant_fp8_masked(x: torch.Tensor, counts: torch.Tensor, *, group: i
     E, C, _ = x.shape
     q = torch.empty((E, C, N), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((E, C, N // group), dtype=torch.float32, device=x.device)
-    _launch(x, counts, q.view(torch.uint8), scale, True, True, clamp_limit, ue8m0, group)
+    G = N // group
+    _launch(x, counts, q, scale, E, C, (x.stride(0), x.stride(1)), (C * N, N), (C * G, G), True, True,
+            clamp_limit, ue8m0, group)
     return q, scale
