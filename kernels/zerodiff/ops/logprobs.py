@@ -148,9 +148,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature
         if not (math.isfinite(tv) and tv > 0):
             raise ValueError(f"{name}: temperature must be a positive finite number, got {temperature!r}")
     if check_ids and T and not _capturing(logits):
-        bad = (token_ids < 0) | (token_ids >= V)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
+        lo, hi = torch.stack(torch.aminmax(token_ids)).tolist()  # one small kernel, one sync
+        if lo < 0 or hi >= V:
+            i = int(((token_ids < 0) | (token_ids >= V)).nonzero()[0, 0])
             raise ValueError(f"{name}: token_ids[{i}] = {int(token_ids[i])} is outside [0, V={V})")
         if temp_tensor:
             tb = ~(torch.isfinite(temperature) & (temperature > 0))
