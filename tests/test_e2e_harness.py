@@ -266,3 +266,34 @@ def test_forward_victim_decode_at_dispatch_boundaries():
         results[mode] = (same, total)
     assert results["consistent"][0] == results["consistent"][1], results
     assert results["baseline"][0] < results["baseline"][1], results  # negative control
+
+
+def test_cuda_dispatch_branch_runs_on_cpu_through_team_references(monkeypatch):
+    """Exercise the CUDA bindings (team ops: rmsnorm, bf16/router GEMM, logprobs, sparse attention, indexer
+    + its cache, moe.route) on CPU tensors, where those ops run their references: catches signature/shape
+    mistakes of the GPU path without a GPU. Also runs the CUDA-graph decode step emulation on that path."""
+    import zerodiff.model.cache as zc
+    import zerodiff.model.ops as zo
+    from zerodiff.ops.indexer import new_index_cache
+
+    monkeypatch.setattr(zo, "_cuda", lambda t: True)
+    orig = zc.PagedCache.__init__
+
+    def init(self, cfg, nb, bs, device="cpu"):
+        orig(self, cfg, nb, bs, device)
+        self.idx_cache = [new_index_cache(nb, bs, d=cfg.idx_dim, device=device) for _ in range(cfg.layers)]
+
+    monkeypatch.setattr(zc.PagedCache, "__init__", init)
+    p = CPU.replace(rollout=dataclasses.replace(CPU.rollout, prompts_per_step=2))
+    rep = RLRun(p, 0, "consistent").run_step()
+    assert rep["bitwise_equal"], rep
+    assert not RLRun(p, 0, "baseline").run_step()["bitwise_equal"]
+    cfg = CPU.model
+    masters = init_masters(cfg, 1)
+    reqs = _requests(0, 6, cfg.vocab, rlen=(4, 10))
+    res = {}
+    for g in ("emulate", False):
+        eng = RolloutEngine(CPU, Deployment(masters), make_ops("consistent", "rollout", cfg), sample_seed=1, use_graphs=g)
+        res[g] = eng.generate(_clone(reqs), 3)
+    for r in reqs:
+        assert torch.equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs)
