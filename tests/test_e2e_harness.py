@@ -276,7 +276,10 @@ def test_cuda_dispatch_branch_runs_on_cpu_through_team_references(monkeypatch):
     import zerodiff.model.ops as zo
     from zerodiff.ops.indexer import new_index_cache
 
+    import zerodiff._triton as zt
+
     monkeypatch.setattr(zo, "_cuda", lambda t: True)
+    monkeypatch.setattr(zt, "INTERPRET", False)  # the ops' own CPU choice: their references, not the interpreter
     orig = zc.PagedCache.__init__
 
     def init(self, cfg, nb, bs, device="cpu"):
