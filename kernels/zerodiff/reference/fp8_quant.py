@@ -35,10 +35,20 @@ def round_scale_ue8m0(scale: torch.Tensor) -> torch.Tensor:
     return exp.view(torch.float32)
 
 
+def div_rn_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded FP32 division ``a / b`` on any device.
+
+    Computed in float64 and rounded once to FP32, which is exact RNE (53 >= 2*24 + 2, so the double
+    rounding is innocuous). Plain torch division is not safe for this: on CUDA ``tensor / scalar`` is
+    computed as a multiply by the reciprocal (1-ulp off, seen on the H200, 2026-11-30).
+    """
+    return (a.to(torch.float32).to(torch.float64) / b.to(torch.float32).to(torch.float64)).to(torch.float32)
+
+
 def group_scale(amax: torch.Tensor, ue8m0: bool = False) -> torch.Tensor:
     """FP32 scale from an FP32 amax by the deployment rule."""
-    amax = amax.to(torch.float32)
-    scale = torch.clamp(amax, min=EPS) / torch.tensor(FP8_MAX, dtype=torch.float32)
+    amax = torch.clamp(amax.to(torch.float32), min=EPS)
+    scale = div_rn_f32(amax, torch.full_like(amax, FP8_MAX))
     return round_scale_ue8m0(scale) if ue8m0 else scale
 
 
@@ -62,7 +72,7 @@ def quant_per_token_group_ref(x: torch.Tensor, group: int = GROUP, ue8m0: bool =
     xg = xp.reshape(*x.shape[:-1], G, group)
     amax = xg.abs().amax(dim=-1)
     scale = group_scale(amax, ue8m0)
-    q = e4m3_rne_saturate(xg / scale.unsqueeze(-1)).reshape(*x.shape[:-1], G * group)[..., :K]
+    q = e4m3_rne_saturate(div_rn_f32(xg, scale.unsqueeze(-1))).reshape(*x.shape[:-1], G * group)[..., :K]
     return q.contiguous(), scale
 
 
@@ -75,7 +85,7 @@ def quant_weight_block_ref(w: torch.Tensor, block: int = GROUP, ue8m0: bool = Fa
     wb = wp.reshape(Nb, block, Kb, block)
     amax = wb.abs().amax(dim=(1, 3))
     scale = group_scale(amax, ue8m0)
-    q = e4m3_rne_saturate(wb / scale[:, None, :, None]).reshape(Nb * block, Kb * block)[:N, :K]
+    q = e4m3_rne_saturate(div_rn_f32(wb, scale[:, None, :, None])).reshape(Nb * block, Kb * block)[:N, :K]
     return q.contiguous(), scale
 
 
