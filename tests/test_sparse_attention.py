@@ -502,7 +502,13 @@ def test_gpu_stock_fp8_decode_reads_our_cache_and_is_batch_dependent():
 
 
 @pytest.mark.gpu
-def test_gpu_fused_fp8_triton_equals_workspace_triton_and_is_batch_invariant():
+def test_gpu_fused_fp8_triton_close_to_workspace_triton_and_is_batch_invariant():
+    """The unsplit fused FP8 kernel is batch-invariant (bitwise) and close to the workspace Triton kernel.
+
+    It is NOT bitwise equal to the workspace kernel on the H200 (measured 2026-11-30; they are equal in the
+    CPU interpreter): the two compile to different MMA tilings. So a deployment picks ONE read path for
+    prefill, decode and training alike; mixing paths is never allowed.
+    """
     cache, bt, pos, q = _gpu_setup(65, 8192, seed=9)
     pos[3, 1000:] = -1
     sc = 1 / math.sqrt(576)
@@ -510,7 +516,8 @@ def test_gpu_fused_fp8_triton_equals_workspace_triton_and_is_batch_invariant():
     req = torch.arange(65, dtype=torch.int32, device="cuda")
     ws = sa.sparse_mla_attention(q, cache, bt, req, pos, sc, attn_sink=sink, backend="triton")
     fused = sa.sparse_mla_attention_fp8(q, cache, bt, req, pos, sc, attn_sink=sink)
-    assert torch.equal(ws[0], fused[0]) and torch.equal(ws[1], fused[1])
+    assert torch.allclose(ws[0].float(), fused[0].float(), rtol=2**-6, atol=2**-8)
+    assert torch.allclose(ws[1], fused[1], rtol=1e-5, atol=1e-5)
     for r in (0, 3, 64):
         one = sa.sparse_mla_attention_fp8(q[r : r + 1], cache, bt, req[r : r + 1], pos[r : r + 1], sc, attn_sink=sink)
         assert torch.equal(one[0][0], fused[0][r]) and torch.equal(one[1][0], fused[1][r])
