@@ -200,7 +200,7 @@ def route(logits: torch.Tensor, k: int, *, scoring: str = "softmax", bias=None, 
             denom = denom + w[:, j]
         w = w / denom[:, None]
     if routed_scale != 1.0:
-        w = w * torch.tensor(routed_scale, dtype=torch.float32, device=w.device)
+        w = w * float(routed_scale)  # fp32 multiply by fp32(routed_scale); no host->device copy (graph-safe)
     return w.contiguous(), ids.to(torch.int32).contiguous()
 
 
