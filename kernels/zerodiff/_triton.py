@@ -95,6 +95,16 @@ if HAVE_TRITON:
         return (code | sign).to(tl.uint8)
 
     @triton.jit
+    def bf16_to_f32(x, EXACT: tl.constexpr):
+        """bf16 -> fp32, exact widening. The interpreter's native upcast mangles bf16 subnormals
+        (1.3775e-39 became 1.0286e-38), so under EXACT the bits are shifted by hand; the GPU uses the
+        native conversion."""
+        if EXACT:
+            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
     def cast_bf16(x, EXACT: tl.constexpr):
         """fp32 -> bf16 RNE: integer emulation when EXACT, the native cast otherwise."""
         if EXACT:

@@ -45,14 +45,7 @@ if zt.HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def bf16_to_f32(x, EXACT: tl.constexpr):
-        """bf16 -> fp32 (exact widening). The interpreter's native upcast mangles bf16 subnormals, so
-        under EXACT the bits are shifted by hand; the GPU uses the native conversion."""
-        if EXACT:
-            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            return x.to(tl.float32)
+    bf16_to_f32 = zt.bf16_to_f32
 
     @triton.jit
     def _widen(x, IS_BF16: tl.constexpr, EXACT: tl.constexpr):

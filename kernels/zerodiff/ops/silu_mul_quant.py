@@ -57,14 +57,7 @@ if zt.HAVE_TRITON:
     cast_bf16 = zt.cast_bf16
     cast_e4m3 = zt.cast_e4m3
 
-    @triton.jit
-    def bf16_to_f32(x, EXACT: tl.constexpr):
-        """bf16 -> fp32 (exact widening). The interpreter's native upcast mangles bf16 subnormals, so
-        under EXACT the bits are shifted by hand; the GPU uses the native conversion."""
-        if EXACT:
-            return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        else:
-            return x.to(tl.float32)
+    bf16_to_f32 = zt.bf16_to_f32
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, o_ptr, s_ptr, cnt_ptr, C, N, limit,
