@@ -56,6 +56,8 @@ Triton backend on a device where Triton cannot run. Non-finite inputs are not ch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from zerodiff import _triton as zt
@@ -74,6 +76,13 @@ __all__ = [
     "stock_num_splits",
     "prenorm_gemm",
     "pre_epilogue",
+    "PrenormVariant",
+    "VARIANTS",
+    "DEFAULT_VARIANT",
+    "DEFAULT_HEAD_VARIANT",
+    "variant_splits",
+    "prenorm_gemm_splitk",
+    "pre_epilogue_splits",
 ]
 
 #: the contract: one K split for every token count.
@@ -255,6 +264,136 @@ if zt.HAVE_TRITON:
         tl.store(out, zt.cast_bf16(acc, EXACT), mask=(j[:, None] < NH) & hm[None, :])
 
 
+
+# ------------------------------------------------------------------- split-K variants (opt-in)
+
+if zt.HAVE_TRITON:
+
+    @triton.jit
+    def _split_bf16x3(w):
+        """fp32 -> three bf16-exact fp32 pieces with w == w1 + w2 + w3 exactly (finite normal w).
+
+        Each piece is a truncation (low 16 encoding bits cleared), so every step is exact: w - w1 and
+        r1 - w2 are representable, and the last remainder has at most 8 significant bits."""
+        w1 = (w.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+        r1 = w - w1
+        w2 = (r1.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+        r2 = r1 - w2
+        w3 = (r2.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+        return w1, w2, w3
+
+    @triton.jit
+    def _prenorm_splitk_kernel(
+        x_ptr, fn_ptr, mix_ptr, sq_ptr, T, K,
+        NMIX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        BPS: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, EXACT: tl.constexpr,
+    ):
+        """Partial projection + sum of squares of split ``program_id(1)`` (BPS blocks of BK, increasing
+        k) for BM rows. The split count, BPS and every constexpr come from K and the variant, never T."""
+        pid_m = tl.program_id(0)
+        split = tl.program_id(1)
+        rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+        rmask = rows < T
+        cols = tl.arange(0, BN)
+        cmask = cols < NMIX
+        k0 = split * (BPS * BK)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_lo = tl.zeros([BM, BN], dtype=tl.float32)
+        sq = tl.zeros([BM], dtype=tl.float32)
+        x_base = x_ptr + rows[:, None] * K
+        w_base = fn_ptr + cols[None, :] * K
+        for kb in range(BPS):
+            ks = k0 + kb * BK + tl.arange(0, BK)
+            if EVEN_K:
+                x = tl.load(x_base + ks[None, :], mask=rmask[:, None], other=0.0)
+                w = tl.load(w_base + ks[:, None], mask=cmask[None, :], other=0.0)
+            else:
+                kmask = ks < K
+                x = tl.load(x_base + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                w = tl.load(w_base + ks[:, None], mask=cmask[None, :] & kmask[:, None], other=0.0)
+            xf = _bf16_to_f32(x, EXACT)
+            sq = sq + tl.sum(xf * xf, axis=1)
+            if PREC == "bf16x3":
+                w1, w2, w3 = _split_bf16x3(w)
+                if EXACT:  # interpreter: bf16 tl.dot is wrong there; the products are exact in fp32 anyway
+                    acc = tl.dot(xf, w1, acc, input_precision="ieee")
+                    acc_lo = tl.dot(xf, w2, acc_lo, input_precision="ieee")
+                    acc_lo = tl.dot(xf, w3, acc_lo, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, w1.to(tl.bfloat16), acc)
+                    acc_lo = tl.dot(x, w2.to(tl.bfloat16), acc_lo)
+                    acc_lo = tl.dot(x, w3.to(tl.bfloat16), acc_lo)
+            else:
+                acc = tl.dot(xf, w, acc, input_precision=PREC)
+        if PREC == "bf16x3":
+            acc = acc + acc_lo
+        out = mix_ptr + split.to(tl.int64) * T * NMIX + rows[:, None] * NMIX + cols[None, :]
+        tl.store(out, acc, mask=rmask[:, None] & cmask[None, :])
+        tl.store(sq_ptr + split.to(tl.int64) * T + rows, sq, mask=rmask)
+
+    @triton.jit
+    def _load_split_sum(ptr, offs, smask):
+        """Sum over the split axis (axis 0) of a [SP, ...] tile: one tl.sum tree, fixed by SP and the
+        launch config (never by T); padded splits load +0."""
+        return tl.sum(tl.load(ptr + offs, mask=smask, other=0.0), axis=0)
+
+    @triton.jit
+    def _mhc_pre_epilogue_splits_kernel(
+        mix_ptr, sq_ptr, scale_ptr, base_ptr, res_ptr, li_ptr, post_ptr, comb_ptr,
+        T, H, K, rms_eps, pre_eps, sk_eps, post_mult, ITERS,
+        S: tl.constexpr, SP: tl.constexpr, NH: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        NMIX: tl.constexpr = NH * (NH + 2)
+        n = tl.arange(0, NH)
+        ii = tl.arange(0, NH)[:, None]
+        jj = tl.arange(0, NH)[None, :]
+        s = tl.arange(0, SP)
+        smask = s < S
+        soff = s.to(tl.int64) * T  # split stride of sq; times NMIX for mix
+        mrow = soff * NMIX + row * NMIX
+        # all S partials are loaded at once and reduced by one fixed tree per output
+        sq = _load_split_sum(sq_ptr, soff + row, smask)
+        pre_r = _load_split_sum(mix_ptr, mrow[:, None] + n[None, :], smask[:, None])
+        post_r = _load_split_sum(mix_ptr, mrow[:, None] + NH + n[None, :], smask[:, None])
+        comb_r = _load_split_sum(mix_ptr, mrow[:, None, None] + 2 * NH + ii[None, :, :] * NH + jj[None, :, :],
+                                 smask[:, None, None])
+        kf = K.to(tl.float32)
+        rms = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sq, kf) + rms_eps))
+        s0 = tl.load(scale_ptr)
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        pre = _sigmoid_rn((pre_r * rms) * s0 + tl.load(base_ptr + n)) + pre_eps
+        post = _sigmoid_rn((post_r * rms) * s1 + tl.load(base_ptr + NH + n)) * post_mult
+        c = (comb_r * rms) * s2 + tl.load(base_ptr + 2 * NH + ii * NH + jj)
+        mx = tl.max(c, axis=1)
+        e = tl.exp(c - mx[:, None])
+        c = tl.div_rn(e, _rowsum_seq(e, NH)[:, None]) + sk_eps
+        c = tl.div_rn(c, (_colsum_seq(c, NH) + sk_eps)[None, :])
+        for _ in range(ITERS - 1):
+            c = tl.div_rn(c, (_rowsum_seq(c, NH) + sk_eps)[:, None])
+            c = tl.div_rn(c, (_colsum_seq(c, NH) + sk_eps)[None, :])
+        tl.store(post_ptr + row * NH + n, post)
+        tl.store(comb_ptr + row * NH * NH + ii * NH + jj, c)
+        _aggregate_row(pre, res_ptr, li_ptr, row, H, NH, BLOCK_H, EXACT)
+
+    @triton.jit
+    def _hc_head_epilogue_splits_kernel(
+        mix_ptr, sq_ptr, scale_ptr, base_ptr, res_ptr, out_ptr, T, H, K, rms_eps, hc_eps,
+        S: tl.constexpr, SP: tl.constexpr, NH: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        n = tl.arange(0, NH)
+        s = tl.arange(0, SP)
+        smask = s < S
+        soff = s.to(tl.int64) * T
+        sq = _load_split_sum(sq_ptr, soff + row, smask)
+        mix = _load_split_sum(mix_ptr, (soff * NH + row * NH)[:, None] + n[None, :], smask[:, None])
+        rms = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sq, K.to(tl.float32)) + rms_eps))
+        pre = _sigmoid_rn((mix * rms) * tl.load(scale_ptr) + tl.load(base_ptr + n)) + hc_eps
+        _aggregate_row(pre, res_ptr, out_ptr, row, H, NH, BLOCK_H, EXACT)
+
+
 # ------------------------------------------------------------------------------------- validation
 
 
@@ -372,6 +511,161 @@ def pre_epilogue(mix: torch.Tensor, sq: torch.Tensor, residual: torch.Tensor, hc
     return li, post, comb
 
 
+
+# ------------------------------------------------------------------- split-K variants (opt-in)
+
+
+@dataclass(frozen=True)
+class PrenormVariant:
+    """One fixed configuration of the pre-norm projection (see the module docstring, "Variants").
+
+    ``splits`` is the requested K-split count; the count used is :func:`variant_splits` of (K, variant):
+    a function of the model shape only, never of T. ``precision`` is the per-block product:
+    ``"fp32_legacy"`` (the verified default kernels, split count 1), ``"ieee"`` (fp32 FMA), ``"tf32"``,
+    ``"tf32x3"`` (tensor cores) or ``"bf16x3"`` (the fp32 weight split exactly into three bf16 pieces,
+    three bf16 tensor-core products per block; x is bf16 and exact)."""
+
+    name: str
+    splits: int
+    precision: str
+    block_m: int = 64
+    block_k: int = 64
+    warps: int = 4
+    stages: int = 3
+
+
+def _v(name, splits, precision, **kw):
+    return name, PrenormVariant(name, splits, precision, **kw)
+
+
+#: every selectable configuration of the projection; "fp32_s1" is the verified path (split count 1).
+VARIANTS: dict[str, PrenormVariant] = dict([
+    _v("fp32_s1", 1, "fp32_legacy", block_m=_GEMM_BM, block_k=_GEMM_BK, warps=_GEMM_WARPS),
+    *[_v(f"ieee_s{S}", S, "ieee", block_m=16) for S in (16, 32, 64, 112)],
+    *[_v(f"tf32_s{S}", S, "tf32") for S in (16, 32, 64, 112)],
+    *[_v(f"bf16x3_s{S}", S, "bf16x3") for S in (16, 32, 64, 112)],
+    *[_v(f"tf32x3_s{S}", S, "tf32x3") for S in (32, 112)],
+])
+
+#: the variant mhc_pre / hc_head use when ``variant=None``. Changing it changes values (not invariance)
+#: and must be done for rollout and training at once (both import this constant).
+DEFAULT_VARIANT = "fp32_s1"
+DEFAULT_HEAD_VARIANT = "fp32_s1"
+
+
+def _resolve_variant(variant) -> PrenormVariant:
+    if variant is None:
+        variant = DEFAULT_VARIANT
+    if isinstance(variant, PrenormVariant):
+        v = variant
+    elif isinstance(variant, str) and variant in VARIANTS:
+        v = VARIANTS[variant]
+    else:
+        raise _err(f"unknown variant {variant!r}; known: {sorted(VARIANTS)}")
+    if v.precision not in ("fp32_legacy", "ieee", "tf32", "tf32x3", "bf16x3"):
+        raise _err(f"variant {v.name!r}: unknown precision {v.precision!r}")
+    if not isinstance(v.splits, int) or v.splits < 1:
+        raise _err(f"variant {v.name!r}: splits must be an int >= 1; got {v.splits!r}")
+    for f in ("block_m", "block_k"):
+        x = getattr(v, f)
+        if x < 16 or x & (x - 1):
+            raise _err(f"variant {v.name!r}: {f} must be a power of two >= 16; got {x}")
+    return v
+
+
+def variant_splits(K: int, variant) -> tuple[int, int]:
+    """(split count, blocks per split) a variant uses for reduction length ``K`` (= n*H).
+
+    Blocks per split = the smallest divisor of ceil(K / block_k) that is >= ceil(blocks / splits), so every
+    split holds the same whole number of blocks (no ragged split). Depends on K and the variant only."""
+    v = _resolve_variant(variant)
+    nblocks = max(1, -(-K // v.block_k))
+    bps = -(-nblocks // v.splits)
+    while nblocks % bps:
+        bps += 1
+    return nblocks // bps, bps
+
+
+def _block_n(nm: int) -> int:
+    bn = 16
+    while bn < nm:
+        bn *= 2
+    return bn
+
+
+def prenorm_gemm_splitk(residual: torch.Tensor, fn: torch.Tensor, variant) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K projection + sum of squares of a variant: (mix fp32 [S, T, nm], sq fp32 [S, T]) with
+    S = ``variant_splits(n*H, variant)[0]``. Partial ``s`` covers blocks ``s*bps .. s*bps+bps-1`` in
+    increasing k; each block is one ``tl.dot`` (``bf16x3``: three, see the module docstring)."""
+    v = _resolve_variant(variant)
+    if v.precision == "fp32_legacy":
+        return prenorm_gemm(residual, fn, splits=v.splits)
+    T, n, H = residual.shape
+    K = n * H
+    nm = fn.shape[0]
+    if nm > 32:
+        raise _err(f"fn has {nm} rows, more than 32 (hc_mult {n} unsupported)")
+    S, bps = variant_splits(K, v)
+    x = residual.contiguous().view(T, K)
+    fn = fn.contiguous()
+    mix = torch.empty(S, T, nm, dtype=torch.float32, device=residual.device)
+    sq = torch.empty(S, T, dtype=torch.float32, device=residual.device)
+    if T == 0:
+        return mix, sq
+    grid = (triton.cdiv(T, v.block_m), S)
+    _prenorm_splitk_kernel[grid](
+        x, fn, mix, sq, T, K, NMIX=nm, BM=v.block_m, BN=_block_n(nm), BK=v.block_k, BPS=bps,
+        EVEN_K=(K % v.block_k == 0), PREC=v.precision, EXACT=zt.EXACT_CASTS,
+        num_warps=v.warps, num_stages=v.stages, **zt.LAUNCH_OPTS,
+    )
+    return mix, sq
+
+
+def _pow2_at_least(x: int) -> int:
+    p = 1
+    while p < x:
+        p *= 2
+    return p
+
+
+def pre_epilogue_splits(mix: torch.Tensor, sq: torch.Tensor, residual: torch.Tensor, hc_scale: torch.Tensor,
+                        hc_base: torch.Tensor, *, rms_eps: float, hc_pre_eps: float, hc_sinkhorn_eps: float,
+                        hc_post_mult: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Epilogue for S partials: all S loaded at once and summed by one fixed ``tl.sum`` tree (pinned by
+    S, i.e. by K), then the gates / Sinkhorn / aggregation of :func:`pre_epilogue`."""
+    S, T, nm = mix.shape
+    _, n, H = residual.shape
+    dev = residual.device
+    li = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    post = torch.empty(T, n, dtype=torch.float32, device=dev)
+    comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    if T == 0:
+        return li, post, comb
+    _mhc_pre_epilogue_splits_kernel[(T,)](
+        mix.contiguous(), sq.contiguous(), hc_scale.contiguous(), hc_base.contiguous(),
+        residual.contiguous(), li, post, comb, T, H, n * H,
+        float(rms_eps), float(hc_pre_eps), float(hc_sinkhorn_eps), float(hc_post_mult), int(sinkhorn_iters),
+        S=S, SP=_pow2_at_least(S), NH=n, BLOCK_H=_EPI_BLOCK_H, EXACT=zt.EXACT_CASTS, num_warps=_EPI_WARPS,
+        **zt.LAUNCH_OPTS,
+    )
+    return li, post, comb
+
+
+def _hc_head_splits(residual, fn, hc_scale, hc_base, rms_eps, hc_eps, v):
+    T, n, H = residual.shape
+    mix, sq = prenorm_gemm_splitk(residual, fn, v)
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=residual.device)
+    if T == 0:
+        return out
+    S = mix.shape[0]
+    _hc_head_epilogue_splits_kernel[(T,)](
+        mix, sq, hc_scale.contiguous(), hc_base.contiguous(), residual.contiguous(), out, T, H, n * H,
+        float(rms_eps), float(hc_eps), S=S, SP=_pow2_at_least(S), NH=n, BLOCK_H=_EPI_BLOCK_H,
+        EXACT=zt.EXACT_CASTS, num_warps=_EPI_WARPS, **zt.LAUNCH_OPTS,
+    )
+    return out
+
+
 # ------------------------------------------------------------------------------------ public ops
 
 
@@ -387,17 +681,23 @@ def mhc_pre(
     hc_post_mult: float = ref.POST_MULT,
     sinkhorn_iters: int = ref.SINKHORN_ITERS,
     backend: str | None = None,
+    variant: str | PrenormVariant | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC pre: (layer_input bf16 [T, H], post fp32 [T, n], comb fp32 [T, n, n]).
 
     ``residual`` bf16 [T, n, H]; ``fn`` fp32 [n*(n+2), n*H]; ``hc_scale`` fp32 [3]; ``hc_base`` fp32
-    [n*(n+2)]. Contract in the module docstring (split count fixed at 1)."""
+    [n*(n+2)]. Contract in the module docstring (split count fixed at 1). ``variant`` (Triton backend
+    only; None = :data:`DEFAULT_VARIANT`) picks a fixed projection configuration from :data:`VARIANTS`."""
     _check_pre(residual, fn, hc_scale, hc_base, sinkhorn_iters)
     be = _pick_backend(backend, residual.device)
+    v = _resolve_variant(variant)
     kw = dict(rms_eps=rms_eps, hc_pre_eps=hc_pre_eps, hc_sinkhorn_eps=hc_sinkhorn_eps,
               hc_post_mult=hc_post_mult, sinkhorn_iters=sinkhorn_iters)
     if be == "reference":
         return ref.mhc_pre_ref(residual, fn, hc_scale, hc_base, **kw)
+    if v.precision != "fp32_legacy":
+        mix, sq = prenorm_gemm_splitk(residual, fn, v)
+        return pre_epilogue_splits(mix, sq, residual, hc_scale, hc_base, **kw)
     mix, sq = prenorm_gemm(residual, fn, splits=FIXED_SPLITS)
     return pre_epilogue(mix, sq, residual, hc_scale, hc_base, **kw)
 
@@ -437,16 +737,21 @@ def hc_head(
     rms_eps: float = ref.RMS_EPS,
     hc_eps: float = ref.HC_EPS,
     backend: str | None = None,
+    variant: str | PrenormVariant | None = None,
 ) -> torch.Tensor:
     """DeepSeek-V4's final stream collapse (vLLM ``HCHeadOp``): bf16 [T, H].
 
     ``residual`` bf16 [T, n, H]; ``fn`` fp32 [n, n*H]; ``hc_scale`` fp32 [1]; ``hc_base`` fp32 [n].
     ``pre = sigmoid(mix * rms * hc_scale + hc_base) + hc_eps`` with the same projection, sum of squares,
-    normalisation and aggregation contract as :func:`mhc_pre` (split count 1, no Sinkhorn)."""
+    normalisation and aggregation contract as :func:`mhc_pre` (split count 1, no Sinkhorn).
+    ``variant``: as for :func:`mhc_pre`, None = :data:`DEFAULT_HEAD_VARIANT`."""
     _check_pre(residual, fn, hc_scale, hc_base, 1, head=True)
     be = _pick_backend(backend, residual.device)
+    v = _resolve_variant(DEFAULT_HEAD_VARIANT if variant is None else variant)
     if be == "reference":
         return ref.hc_head_ref(residual, fn, hc_scale, hc_base, rms_eps=rms_eps, hc_eps=hc_eps)
+    if v.precision != "fp32_legacy":
+        return _hc_head_splits(residual, fn, hc_scale, hc_base, rms_eps, hc_eps, v)
     T, n, H = residual.shape
     mix, sq = prenorm_gemm(residual, fn, splits=FIXED_SPLITS)
     out = torch.empty(T, H, dtype=torch.bfloat16, device=residual.device)
