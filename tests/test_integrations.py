@@ -816,3 +816,200 @@ def test_megatron_parallel_linear_fp8(seeded):
                                                        Fp8Weight.from_master(lin.weight.detach())))
     with pytest.raises(ConfigError, match="bfloat16"):
         zm.parallel_linear_fp8(torch.nn.Linear(128, 8, bias=False), x.detach())
+
+
+# ------------------------------------------------------------ vLLM DeepSeek-V4 decode through the prefill path
+_DS_REC = zv.DSV4_TOKEN_BYTES + zv.DSV4_SCALE_BYTES
+
+
+def _ds_cache(g, num_blocks, block_size, pad=24):
+    """A random fp8_ds_mla cache (padded block stride), values never NaN, with +-0 / denormal codes."""
+    stride = block_size * _DS_REC + pad
+    raw = torch.randint(0, 256, (num_blocks * stride,), generator=g, dtype=torch.uint8)
+    cache = torch.as_strided(raw, (num_blocks, block_size, _DS_REC), (stride, _DS_REC, 1))
+    tok = torch.as_strided(raw, (num_blocks, block_size, zv.DSV4_TOKEN_BYTES), (stride, zv.DSV4_TOKEN_BYTES, 1))
+    codes = tok[..., :zv.DSV4_FP8_DIM]
+    codes[(codes & 0x7F) == 0x7F] = 0x80  # no NaN codes; 0x80 = -0
+    codes[..., :3] = torch.tensor([0x00, 0x80, 0x01], dtype=torch.uint8)  # +0, -0, smallest denormal
+    rope = torch.randn(num_blocks, block_size, zv.DSV4_ROPE_DIM, generator=g).to(torch.bfloat16)
+    tok[..., zv.DSV4_FP8_DIM:] = rope.view(torch.uint8).view(num_blocks, block_size, 2 * zv.DSV4_ROPE_DIM)
+    sc = torch.as_strided(raw, (num_blocks, block_size, zv.DSV4_SCALE_BYTES),
+                          (stride, zv.DSV4_SCALE_BYTES, 1), block_size * zv.DSV4_TOKEN_BYTES)
+    sc[...] = torch.randint(112, 136, sc.shape, generator=g, dtype=torch.uint8)
+    return cache
+
+
+def _ds_dequant_f64(cache, block_size, blk, off):
+    """Independent dequant: float64 product of the e4m3 value and 2**(code-127), then bf16."""
+    stride = cache.stride(0)
+    flat = torch.as_strided(cache, (cache.shape[0] * stride,), (1,), cache.storage_offset())
+    base = blk * stride
+    t = flat[base + off * zv.DSV4_TOKEN_BYTES + torch.arange(zv.DSV4_TOKEN_BYTES)]
+    s = flat[base + block_size * zv.DSV4_TOKEN_BYTES + off * zv.DSV4_SCALE_BYTES + torch.arange(7)]
+    v = t[:zv.DSV4_FP8_DIM].clone().view(torch.float8_e4m3fn).double()
+    v = v * torch.pow(2.0, s.double() - 127).repeat_interleave(64)
+    return torch.cat([v.float().to(torch.bfloat16), t[zv.DSV4_FP8_DIM:].clone().view(torch.bfloat16)])
+
+
+def _ds_prefill_rows(req, L, qlen, pos, *, cr, top_k, window, topk_row, ccache, cbs, cbt, scache, sbs, sbt):
+    """What vLLM's _forward_prefill shows flash_mla_sparse_fwd for the token at absolute position ``pos`` of a
+    request of ``seq_len`` L whose chunk holds ``qlen`` query tokens: its workspace (compressed positions
+    0..L//cr-1 at rows 0.., the SWA gather at row N..) read at combine_topk_swa_indices' list."""
+    N = L // cr if cr > 1 else 0
+    gather = qlen + min(L - qlen, window - 1)
+    ws = []
+    for c in range(N):
+        ws.append(_ds_dequant_f64(ccache, cbs, int(cbt[req, c // cbs]), c % cbs))
+    for p in range(L - gather, L):
+        ws.append(_ds_dequant_f64(scache, sbs, int(sbt[req, p // sbs]), p % sbs))
+    tlen = min((pos + 1) // cr, top_k) if cr > 1 else 0
+    lst = [int(topk_row[i]) for i in range(tlen)] if topk_row is not None else list(range(tlen))
+    s0 = max(pos - (window - 1), 0)
+    lst += [N + p - (L - gather) for p in range(s0, pos + 1)]
+    return torch.stack([ws[i] for i in lst])
+
+
+def _ds_setup(g, cr, T=5, window=8, top_k=16, sbs=16, attn_bs=16):
+    nb = 40
+    scache = _ds_cache(g, nb, sbs)
+    if cr == 128:
+        attn_bs = 256
+    cbs = attn_bs // cr if cr > 1 else 1
+    ccache = _ds_cache(g, nb, cbs) if cr > 1 else None
+    lens = [int(x) for x in torch.randint(3, 300 if cr == 128 else 90, (T,), generator=g)]
+    lens[0] = 1  # first token of a request
+    if cr == 128:
+        lens[1] = 300
+    sbt = torch.stack([torch.randperm(nb, generator=g)[:24] for _ in range(T)]).int()
+    cbt = torch.stack([torch.randperm(nb, generator=g)[:24] for _ in range(T)]).int()
+    topk = None
+    if cr == 4:
+        topk = torch.full((T, top_k), -1, dtype=torch.int32)
+        for t, L in enumerate(lens):
+            n = L // 4
+            sel = torch.randperm(n, generator=g)[:top_k] if n else torch.zeros(0, dtype=torch.long)
+            sel = sel.sort(descending=True).values
+            topk[t, :len(sel)] = sel.int()
+    return dict(scache=scache, ccache=ccache, cbs=cbs, sbs=sbs, sbt=sbt, cbt=cbt, lens=lens, topk=topk,
+                window=window, top_k=top_k if cr == 4 else (0 if cr == 1 else 128))
+
+
+@pytest.mark.parametrize("cr", [1, 4, 128])
+def test_dsv4_decode_rows_equal_prefill_rows(seeded, cr):
+    """Each decode token's workspace rows, read in its index order, are the prefill path's rows for the same
+    token (same cache entries, same order, same dequantised bits), for SWA-only, C4A and C128A layers,
+    whatever the other requests of the decode batch; negative controls: the stock decode order (window,
+    then top-k) and a reversed top-k give other sequences."""
+    g = seeded()
+    d = _ds_setup(g, cr)
+    T = len(d["lens"])
+    pos = torch.tensor([L - 1 for L in d["lens"]])
+    width = zv.dsv4_workspace_width(d["top_k"], d["window"])
+    # the decode batch in a shuffled request order: the block-table row is the token's request row
+    perm = torch.randperm(T, generator=g)
+    ent = zv.dsv4_decode_entries(
+        pos[perm], torch.arange(T, dtype=torch.int32), torch.ones(T, dtype=torch.bool), compress_ratio=cr,
+        top_k=d["top_k"], window_size=d["window"], width=width,
+        topk_local=None if d["topk"] is None else d["topk"][perm], compressed_block_table=d["cbt"][perm],
+        compressed_block_size=d["cbs"], swa_block_table=d["sbt"][perm], swa_block_size=d["sbs"])
+    kv, idx = zv.dsv4_decode_workspace(ent, d["scache"], d["sbs"], d["ccache"], d["cbs"])
+    assert kv.shape == (T, width, zv.DSV4_HEAD_DIM) and idx.shape == (T, 1, width) and kv.dtype == torch.bfloat16
+    flat = kv.view(-1, zv.DSV4_HEAD_DIM)
+    for i in range(T):
+        r = int(perm[i])
+        L = d["lens"][r]
+        # as the last token of a one-token "prefill" and inside a longer prefill chunk (qlen up to L)
+        for qlen in sorted({1, max(1, L // 2), L}):
+            ref = _ds_prefill_rows(r, L, qlen, L - 1, cr=cr, top_k=d["top_k"], window=d["window"],
+                                   topk_row=None if d["topk"] is None else d["topk"][r], ccache=d["ccache"],
+                                   cbs=d["cbs"], cbt=d["cbt"], scache=d["scache"], sbs=d["sbs"], sbt=d["sbt"])
+            n = int(ent[3][i])
+            assert n == ref.shape[0]
+            row = idx[i, 0]
+            assert torch.equal(row[:n], torch.arange(i * width, i * width + n, dtype=torch.int32))
+            assert bool((row[n:] == -1).all())
+            got = flat[row[:n].long()]
+            assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (cr, r, qlen)
+        tlen = min(L // cr, d["top_k"]) if cr > 1 else 0
+        if tlen > 1:
+            stock = torch.cat([ref[tlen:], ref[:tlen]])  # flash_mla_with_kvcache: window, then extra top-k
+            assert not torch.equal(stock, ref)
+            rev = torch.cat([ref[:tlen].flip(0), ref[tlen:]])
+            assert not torch.equal(rev, ref)
+
+
+def test_dsv4_dequant_rows_bits(seeded):
+    g = seeded()
+    cache = _ds_cache(g, 6, 8)
+    blk = torch.randint(0, 6, (40,), generator=g)
+    off = torch.randint(0, 8, (40,), generator=g)
+    got = zv.dsv4_dequant_rows(cache, 8, blk, off)
+    ref = torch.stack([_ds_dequant_f64(cache, 8, int(b), int(o)) for b, o in zip(blk, off)])
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    assert bool((got.view(torch.int16) == -32768).any())  # -0 kept
+    with pytest.raises(ConfigError, match="block stride"):
+        zv.dsv4_dequant_rows(torch.zeros(4, 100, dtype=torch.uint8), 8, blk[:1] % 4, off[:1])
+    with pytest.raises(ConfigError, match="uint8"):
+        zv.dsv4_dequant_rows(cache.float(), 8, blk, off)
+
+
+def test_dsv4_decode_attention_adapter(seeded):
+    """The patched _forward_decode body on fake vLLM objects: the sparse kernel gets q, a [T*W, 1, 512]
+    workspace, [T, 1, W] indices and the lengths; a padding token gets length 0; the victim token's output
+    is the same alone, in batches of 2..17 at several positions (ref sparse attention stands in for
+    FlashMLA); every token's output equals attention over its prefill rows."""
+    from zerodiff.ops.sparse_attention import sparse_attention
+
+    g = seeded()
+    cr = 4
+    d = _ds_setup(g, cr, T=17, top_k=16)
+    H = 4
+    q_all = torch.randn(17, H, zv.DSV4_HEAD_DIM, generator=g).to(torch.bfloat16)
+    sink = torch.randn(H, generator=g)
+    calls = []
+
+    def fwd(*, q, kv, indices, sm_scale, attn_sink, topk_length, out):
+        calls.append((q.shape, kv.shape, indices.shape, topk_length.clone()))
+        o, _ = sparse_attention(q, kv, indices, sm_scale, d_v=zv.DSV4_HEAD_DIM, attn_sink=attn_sink,
+                                backend="reference")
+        out.copy_(o)
+
+    def run(order, valid=None):
+        T = len(order)
+        o = torch.tensor(order)
+        layer = NS(compress_ratio=cr, window_size=d["window"], max_image_tokens=0, max_model_len=4096,
+                   scale=0.05, attn_sink=sink, topk_indices_buffer=d["topk"][o], swa_cache_layer=NS(kv_cache=d["scache"]))
+        sw = NS(num_decode_tokens=T, num_decodes=T, token_to_req_indices=torch.arange(T, dtype=torch.int32),
+                is_valid_token=torch.ones(T, dtype=torch.bool) if valid is None else valid,
+                block_table=d["sbt"][o], block_size=d["sbs"])
+        am = NS(block_size=d["cbs"] * cr, block_table=d["cbt"][o])
+        out = torch.zeros(T, H, zv.DSV4_HEAD_DIM, dtype=torch.bfloat16)
+        pos = torch.tensor([d["lens"][i] - 1 for i in order])
+        zv.dsv4_decode_attention(layer, q_all[o], pos, d["ccache"], sw, am, False, out, fwd)
+        return out
+
+    victim = 3
+    alone = run([victim])
+    assert calls[-1][1] == (zv.dsv4_workspace_width(16, d["window"]), 1, zv.DSV4_HEAD_DIM)
+    others = [i for i in range(17) if i != victim]
+    for B in (2, 15, 16, 17):
+        for at in sorted({0, B // 2, B - 1}):
+            order = others[:B - 1]
+            order.insert(at, victim)
+            assert torch.equal(run(order)[at], alone[0]), (B, at)
+    # every token == attention over its prefill rows (qlen = 1)
+    full = run(list(range(17)))
+    for t in range(17):
+        L = d["lens"][t]
+        rows = _ds_prefill_rows(t, L, 1, L - 1, cr=cr, top_k=16, window=d["window"], topk_row=d["topk"][t],
+                                ccache=d["ccache"], cbs=d["cbs"], cbt=d["cbt"], scache=d["scache"], sbs=d["sbs"],
+                                sbt=d["sbt"])
+        w = zv.dsv4_workspace_width(16, d["window"])
+        idx = torch.full((1, 1, w), -1, dtype=torch.int32)
+        idx[0, 0, :rows.shape[0]] = torch.arange(rows.shape[0], dtype=torch.int32)
+        o, _ = sparse_attention(q_all[t:t + 1], rows, idx, 0.05, d_v=zv.DSV4_HEAD_DIM, attn_sink=sink,
+                                backend="reference")
+        assert torch.equal(full[t], o[0]), t
+    # a padding token (slot < 0) gets length 0
+    run([0, 1], valid=torch.tensor([True, False]))
+    assert int(calls[-1][3][1]) == 0 and int(calls[-1][3][0]) > 0

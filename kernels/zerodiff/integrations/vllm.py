@@ -630,3 +630,209 @@ def silu_mul(x: torch.Tensor, clamp_limit: float | None = None, *, alpha: float 
         x2 = x2.contiguous()
     out = _op("silu_mul")(x2, None if clamp_limit is None else float(clamp_limit))
     return out.view(*lead, out.shape[-1])
+
+
+# ------------------------------------------------------------- DeepSeek-V4 decode through the prefill path
+# Byte layout of one token of the DeepSeek-V4 FP8 K cache (``fp8_ds_mla``), as vLLM's writer and its
+# ``dequantize_and_gather_k_cache`` read it: per paged block, ``block_size`` token records of 576 bytes
+# (448 e4m3 codes, then 64 bf16 rope values) followed by ``block_size`` scale records of 8 bytes (7 UE8M0
+# exponents, one per 64 codes, plus one pad byte); consecutive blocks are ``k_cache.stride(0)`` bytes apart.
+DSV4_FP8_DIM = 448
+DSV4_ROPE_DIM = 64
+DSV4_TOKEN_BYTES = DSV4_FP8_DIM + 2 * DSV4_ROPE_DIM  # 576
+DSV4_SCALE_BYTES = 8
+DSV4_QBLOCK = 64
+DSV4_HEAD_DIM = DSV4_FP8_DIM + DSV4_ROPE_DIM  # 512 = the workspace row width (q.shape[-1])
+#: FlashMLA's sparse prefill kernel wants the index-list width to be a multiple of this (vLLM pads to it)
+DSV4_TOPK_ALIGN = 128
+
+__all__ += ["DSV4_HEAD_DIM", "dsv4_workspace_width", "dsv4_dequant_rows", "dsv4_decode_entries",
+            "dsv4_decode_workspace", "dsv4_decode_attention"]
+
+
+def dsv4_workspace_width(top_k: int, window_size: int, max_image_tokens: int = 0) -> int:
+    """Index-list width of one query row in vLLM's DeepSeek-V4 prefill path:
+    ``round_up(top_k + window_size + max_image_tokens, 128)`` (``combine_topk_swa_indices``)."""
+    w = int(top_k) + int(window_size) + int(max_image_tokens)
+    return (w + DSV4_TOPK_ALIGN - 1) // DSV4_TOPK_ALIGN * DSV4_TOPK_ALIGN
+
+
+def _block_bytes(k_cache: torch.Tensor, block_size: int, what: str) -> torch.Tensor:
+    """``k_cache`` seen as ``[num_blocks, block_size * 584]`` bytes (same storage, no copy)."""
+    if k_cache.dtype != torch.uint8:
+        raise ConfigError(f"zerodiff DSV4 decode: {what} must be the uint8 fp8_ds_mla cache, got {k_cache.dtype}")
+    if k_cache.dim() < 2 or k_cache.stride(-1) != 1:
+        raise ConfigError(f"zerodiff DSV4 decode: {what} must be [num_blocks, ...] with unit last stride, "
+                          f"got shape {tuple(k_cache.shape)} strides {k_cache.stride()}")
+    used = int(block_size) * (DSV4_TOKEN_BYTES + DSV4_SCALE_BYTES)
+    if k_cache.dim() == 3 and (k_cache.shape[1] != block_size or k_cache.stride(1) != k_cache.shape[2]):
+        raise ConfigError(f"zerodiff DSV4 decode: {what} shape {tuple(k_cache.shape)} / strides "
+                          f"{k_cache.stride()} do not hold {block_size} tokens of {DSV4_TOKEN_BYTES + DSV4_SCALE_BYTES} "
+                          "bytes per block contiguously")
+    if k_cache.stride(0) < used:
+        raise ConfigError(f"zerodiff DSV4 decode: {what} block stride {k_cache.stride(0)} < {used} bytes "
+                          f"({block_size} tokens x {DSV4_TOKEN_BYTES + DSV4_SCALE_BYTES})")
+    return torch.as_strided(k_cache, (k_cache.shape[0], used), (k_cache.stride(0), 1), k_cache.storage_offset())
+
+
+def dsv4_dequant_rows(k_cache: torch.Tensor, block_size: int, block_ids: torch.Tensor,
+                      in_block: torch.Tensor) -> torch.Tensor:
+    """Dequantise the cache tokens at (``block_ids``, ``in_block``) (int64, any equal shapes ``S``) into bf16
+    ``[*S, 512]``: ``bf16(float32(e4m3 code) * 2**(ue8m0 - 127))`` for the 448 quantised dims (one scale
+    per 64), the 64 bf16 rope values copied. The product is a power-of-two scaling of an e4m3 value, so it
+    is exact in FP32 and the one RNE rounding to bf16 gives the bits ``dequantize_and_gather_k_cache``
+    writes (its Triton and CuTe-DSL variants compute the same product). The scale is built from its
+    exponent bits (code 0 reads as 0, never a denormal)."""
+    flat = _block_bytes(k_cache, block_size, "k_cache")
+    shape = tuple(block_ids.shape)
+    b = block_ids.reshape(-1, 1).long()
+    o = in_block.reshape(-1, 1).long()
+    dev = k_cache.device
+    tok = flat[b, o * DSV4_TOKEN_BYTES + torch.arange(DSV4_TOKEN_BYTES, device=dev)]
+    nq = DSV4_FP8_DIM // DSV4_QBLOCK
+    sc = flat[b, block_size * DSV4_TOKEN_BYTES + o * DSV4_SCALE_BYTES + torch.arange(nq, device=dev)]
+    scale = (sc.to(torch.int32) << 23).view(torch.float32)  # 2**(code - 127); code 0 -> +0
+    codes = tok[:, :DSV4_FP8_DIM].contiguous().view(torch.float8_e4m3fn).float()
+    nope = (codes.view(-1, nq, DSV4_QBLOCK) * scale.unsqueeze(-1)).view(-1, DSV4_FP8_DIM).to(torch.bfloat16)
+    rope = tok[:, DSV4_FP8_DIM:].contiguous().view(torch.bfloat16)
+    return torch.cat([nope, rope], dim=-1).view(*shape, DSV4_HEAD_DIM)
+
+
+def dsv4_decode_entries(positions: torch.Tensor, token_to_req: torch.Tensor, is_valid: torch.Tensor, *,
+                        compress_ratio: int, top_k: int, window_size: int, width: int,
+                        topk_local: torch.Tensor | None, compressed_block_table: torch.Tensor | None,
+                        compressed_block_size: int, swa_block_table: torch.Tensor, swa_block_size: int):
+    """Index bookkeeping of :func:`dsv4_decode_attention`: for each decode token ``t`` (absolute position
+    ``positions[t]``, request row ``token_to_req[t]`` of the decode block tables) the list of cache
+    entries vLLM's PREFILL path would show ``flash_mla_sparse_fwd`` for that token, in that order:
+
+    1. ``topk_len = min((pos + 1) // compress_ratio, top_k)`` compressed entries (0 for SWA-only layers,
+       ``compress_ratio <= 1``): C4A (``topk_local`` given, the indexer's request-local positions) its first
+       ``topk_len`` entries in the given order; C128A (``topk_local=None``) positions ``0 .. topk_len-1``
+       ascending (what vLLM's C128A metadata emits for prefill tokens);
+    2. the sliding window ``max(pos - window + 1, 0) .. pos`` ascending (the SWA cache).
+
+    Returns ``(from_swa bool [T, width], block int64 [T, width], in_block int64 [T, width], lens int32 [T])``
+    where entries at ``j >= lens[t]`` (and every entry of a padding token, ``is_valid`` false: len 0) point at
+    block 0 / slot 0 and are never read. Static shapes, no host sync (CUDA-graph safe)."""
+    T = positions.shape[0]
+    dev = positions.device
+    pos = positions.reshape(T).long().clamp(min=0)
+    req = token_to_req.reshape(-1)[:T].long().clamp(min=0, max=swa_block_table.shape[0] - 1)
+    j = torch.arange(width, device=dev).view(1, width)
+    if compress_ratio > 1:
+        topk_len = torch.clamp((pos + 1) // int(compress_ratio), max=int(top_k))
+    else:
+        topk_len = torch.zeros_like(pos)
+    swa_start = torch.clamp(pos - (int(window_size) - 1), min=0)
+    swa_len = pos - swa_start + 1
+    lens = torch.where(is_valid.reshape(-1)[:T].bool(), topk_len + swa_len, torch.zeros_like(pos))
+    in_list = j < lens.view(T, 1)
+    from_swa = j >= topk_len.view(T, 1)
+    # SWA part: absolute positions, looked up through the SWA block table exactly as the prefill gather does
+    spos = (swa_start.view(T, 1) + j - topk_len.view(T, 1)).clamp(min=0)
+    s_rows = swa_block_table[req].long()
+    s_blk = s_rows.gather(1, (spos // swa_block_size).clamp(max=s_rows.shape[1] - 1))
+    s_off = spos % swa_block_size
+    if compress_ratio > 1:
+        if compressed_block_table is None:
+            raise ConfigError("zerodiff DSV4 decode: compress_ratio > 1 needs the compressed block table")
+        if topk_local is not None:
+            tl_ = topk_local.reshape(T, -1)
+            if tl_.shape[1] < top_k:
+                raise ConfigError(f"zerodiff DSV4 decode: top-k buffer width {tl_.shape[1]} < top_k={top_k}")
+            cpos = torch.zeros(T, width, dtype=torch.long, device=dev)
+            kk = min(int(top_k), width)
+            cpos[:, :kk] = tl_[:, :kk].long()
+        else:
+            cpos = j.expand(T, width).long()
+        cpos = cpos.clamp(min=0)
+        c_rows = compressed_block_table[req].long()
+        c_blk = c_rows.gather(1, (cpos // compressed_block_size).clamp(max=c_rows.shape[1] - 1))
+        c_off = cpos % compressed_block_size
+        blk = torch.where(from_swa, s_blk, c_blk)
+        off = torch.where(from_swa, s_off, c_off)
+    else:
+        blk, off = s_blk, s_off
+    blk = torch.where(in_list, blk, torch.zeros_like(blk)).clamp(min=0)
+    off = torch.where(in_list, off, torch.zeros_like(off))
+    return from_swa, blk, off, lens.to(torch.int32)
+
+
+def dsv4_decode_workspace(entries, swa_k_cache: torch.Tensor, swa_block_size: int,
+                          compressed_k_cache: torch.Tensor | None, compressed_block_size: int):
+    """BF16 workspace ``[T, width, 512]`` and FlashMLA indices ``[T, 1, width]`` (row ``t * width + j`` for
+    ``j < lens[t]``, ``-1`` after, as vLLM pads) for the entries of :func:`dsv4_decode_entries`. Rows past
+    a token's length are zero."""
+    from_swa, blk, off, lens = entries
+    T, W = blk.shape
+    zero = torch.zeros_like(blk)
+    if compressed_k_cache is None:
+        kv = dsv4_dequant_rows(swa_k_cache, swa_block_size, blk, off)
+    else:  # each cache is read only at its own entries (the others read its slot 0 and are discarded)
+        kv = dsv4_dequant_rows(swa_k_cache, swa_block_size, torch.where(from_swa, blk, zero),
+                               torch.where(from_swa, off, zero))
+        kc = dsv4_dequant_rows(compressed_k_cache, compressed_block_size, torch.where(from_swa, zero, blk),
+                               torch.where(from_swa, zero, off))
+        kv = torch.where(from_swa.unsqueeze(-1), kv, kc)
+    j = torch.arange(W, device=blk.device).view(1, W)
+    live = j < lens.view(T, 1).long()
+    kv = torch.where(live.unsqueeze(-1), kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
+    rows = torch.arange(T, device=blk.device).view(T, 1) * W + j
+    idx = torch.where(live, rows, torch.full_like(rows, -1)).to(torch.int32)
+    return kv, idx.view(T, 1, W)
+
+
+def dsv4_decode_attention(layer: Any, q: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor | None,
+                          swa_metadata: Any, attn_metadata: Any, swa_only: bool, output: torch.Tensor,
+                          sparse_fwd) -> None:
+    """Consistency-mode body of ``DeepseekV4FlashMLAAttention._forward_decode`` (vLLM 0.33.0): every decode
+    token reads its KV through the read path of ``_forward_prefill``: the entries the prefill path would
+    give that token (:func:`dsv4_decode_entries`: compressed top-k in the indexer's order, then the SWA
+    window ascending), dequantised with the prefill gather's arithmetic into a BF16 workspace
+    (:func:`dsv4_decode_workspace`), padded with ``-1`` to the prefill width
+    ``round_up(top_k + window + max_image_tokens, 128)``, then ``sparse_fwd`` (FlashMLA's
+    ``flash_mla_sparse_fwd``, passed in by the patch) with the layer's scale and sink. The FP8 decode kernel
+    ``flash_mla_with_kvcache`` (batch-dependent, DESIGN "Decode read path") is never called.
+
+    ``top_k``: C4A the indexer buffer width (``layer.topk_indices_buffer.shape[-1]``, the prefill's
+    ``top_k``); C128A the model-limit width ``round_up(ceil(max_model_len / 128), 128)`` (the prefill uses
+    the batch's active width; both cover every valid entry, the kernel stops at ``topk_length``; that the
+    padded width does not change a row's bits is checked by the GPU test, not assumed silently)."""
+    T = int(swa_metadata.num_decode_tokens)
+    num_decodes = int(swa_metadata.num_decodes)
+    cr = int(layer.compress_ratio)
+    # decode tokens are generated text: no in-image widening of their window (left = right = 0); the width
+    # still reserves max_image_tokens, as the prefill path's does
+    topk_local = None
+    ccache = None
+    cbt = None
+    cbs = 1
+    if swa_only or cr <= 1:
+        top_k = 0
+    else:
+        if attn_metadata is None:
+            raise ConfigError("zerodiff DSV4 decode: a compressed layer got no FlashMLA metadata")
+        cbs = int(attn_metadata.block_size) // cr
+        if cbs < 1:
+            raise ConfigError(f"zerodiff DSV4 decode: block_size={attn_metadata.block_size} < compress_ratio={cr}")
+        cbt = attn_metadata.block_table[:num_decodes]
+        ccache = kv_cache
+        if cr == 4:
+            topk_local = layer.topk_indices_buffer[:T]
+            top_k = int(topk_local.shape[-1])
+        elif cr == 128:
+            n = -(-int(layer.max_model_len) // cr)
+            top_k = -(-n // DSV4_TOPK_ALIGN) * DSV4_TOPK_ALIGN
+        else:
+            raise ConfigError(f"zerodiff DSV4 decode: compress_ratio={cr} (expected 1, 4 or 128)")
+    width = dsv4_workspace_width(top_k, layer.window_size, getattr(layer, "max_image_tokens", 0))
+    swa_cache = layer.swa_cache_layer.kv_cache
+    entries = dsv4_decode_entries(
+        positions[:T], swa_metadata.token_to_req_indices, swa_metadata.is_valid_token[:T],
+        compress_ratio=cr if not swa_only else 1, top_k=top_k, window_size=int(layer.window_size), width=width,
+        topk_local=topk_local, compressed_block_table=cbt, compressed_block_size=cbs,
+        swa_block_table=swa_metadata.block_table[:num_decodes], swa_block_size=int(swa_metadata.block_size))
+    kv, idx = dsv4_decode_workspace(entries, swa_cache, int(swa_metadata.block_size), ccache, cbs)
+    sparse_fwd(q=q, kv=kv.view(-1, 1, kv.shape[-1]), indices=idx, sm_scale=layer.scale,
+               attn_sink=layer.attn_sink, topk_length=entries[3], out=output)
