@@ -44,6 +44,7 @@ run through Triton's interpreter: small shapes only); ``"reference"``.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -177,6 +178,171 @@ if zt.HAVE_TRITON:
                 tl.store(scrow + o, tl.full([CHUNK], float("-inf"), tl.float32), mask=pm)
 
 
+    # ---- "split" variant: three launches, the row's full scans spread over a fixed number of programs ----
+    @triton.jit
+    def _split_hist_kernel(s_ptr, len_ptr, tot_ptr, W, stride_r,
+                           HAS_LEN: tl.constexpr, SW: tl.constexpr, D0: tl.constexpr, HIST_MASK: tl.constexpr):
+        """Program (row, slice): histogram of the top D0 key bits of the slice's candidates, added into the
+        row's total with integer atomics (exact; the sum does not depend on the order of the adds)."""
+        row = tl.program_id(0).to(tl.int64)
+        sl = tl.program_id(1)
+        if HAS_LEN:
+            L = tl.load(len_ptr + row).to(tl.int32)
+            L = tl.minimum(tl.maximum(L, 0), W)
+        else:
+            L = W + tl.zeros([], tl.int32)
+        if sl * SW < L:
+            LR = tl.minimum(tl.cdiv(L, 16) * 16, W)
+            offs = sl * SW + tl.arange(0, SW)
+            x = tl.load(s_ptr + row * stride_r + offs, mask=offs < LR, other=0.0)
+            m, cand = _row_keys(x, offs < L)
+            b = (m >> (32 - D0)).to(tl.int32)
+            bins = tl.arange(0, 1 << D0)
+            if HIST_MASK:
+                h = tl.histogram(b, 1 << D0, mask=cand)
+            else:
+                h = tl.histogram(tl.where(cand, b, 0), 1 << D0)
+                h = h - tl.where(bins == 0, SW - tl.sum(cand.to(tl.int32), axis=0), 0)
+            tl.atomic_add(tot_ptr + row * (1 << D0) + bins, h, mask=h != 0)
+
+    @triton.jit
+    def _split_boundary(tot_ptr, row, k, D0: tl.constexpr):
+        """From the row's top-digit histogram: (n candidates, boundary bin j, candidates above j, size of j)."""
+        bins = tl.arange(0, 1 << D0)
+        h = tl.load(tot_ptr + row * (1 << D0) + bins)
+        n_in = tl.sum(h, axis=0)
+        incl = n_in - tl.cumsum(h, axis=0) + h  # candidates in bins >= b
+        j = tl.max(tl.where(incl >= k, bins, -1), axis=0)
+        above = tl.sum(tl.where(bins == j, incl - h, 0), axis=0)
+        hj = tl.sum(tl.where(bins == j, h, 0), axis=0)
+        return n_in, j, above, hj
+
+    @triton.jit
+    def _split_compact_kernel(s_ptr, len_ptr, tot_ptr, bx_ptr, bp_ptr, cnt_ptr, W, k, NS, stride_r,
+                              HAS_LEN: tl.constexpr, SW: tl.constexpr, D0: tl.constexpr):
+        """Program (row, slice): keep the slice's candidates whose top digit is >= the boundary bin (every
+        candidate when the row has <= k of them), in position order, in the slice's own region."""
+        row = tl.program_id(0).to(tl.int64)
+        sl = tl.program_id(1)
+        if HAS_LEN:
+            L = tl.load(len_ptr + row).to(tl.int32)
+            L = tl.minimum(tl.maximum(L, 0), W)
+        else:
+            L = W + tl.zeros([], tl.int32)
+        n = tl.zeros([], tl.int32)
+        if sl * SW < L:
+            n_in, j, above, hj = _split_boundary(tot_ptr, row, k, D0)
+            j = tl.where(n_in <= k, 0, j)
+            LR = tl.minimum(tl.cdiv(L, 16) * 16, W)
+            offs = sl * SW + tl.arange(0, SW)
+            x = tl.load(s_ptr + row * stride_r + offs, mask=offs < LR, other=0.0)
+            m, cand = _row_keys(x, offs < L)
+            keep = cand & ((m >> (32 - D0)).to(tl.int32) >= j)
+            ki = keep.to(tl.int32)
+            slot = tl.cumsum(ki, axis=0) - ki
+            base = row * NS * SW + sl * SW
+            tl.store(bx_ptr + base + slot, x, mask=keep)
+            tl.store(bp_ptr + base + slot, offs, mask=keep)
+            n = tl.sum(ki, axis=0)
+        tl.store(cnt_ptr + row * NS + sl, n)
+
+    @triton.jit
+    def _split_vload(bx_ptr, bp_ptr, base, i, inb, ends, cnts, SW: tl.constexpr):
+        """Element i of the row's kept list (the slices' regions read one after the other)."""
+        past = i[:, None] >= ends[None, :]
+        reg = tl.sum(past.to(tl.int32), axis=1)
+        before = tl.sum(tl.where(past, cnts[None, :], 0), axis=1)
+        a = base + reg.to(tl.int64) * SW + (i - before)
+        x = tl.load(bx_ptr + a, mask=inb, other=0.0)
+        p = tl.load(bp_ptr + a, mask=inb, other=0)
+        return x, p
+
+    @triton.jit
+    def _split_finish_kernel(bx_ptr, bp_ptr, cnt_ptr, tot_ptr, out_ptr, osc_ptr, k, NS,
+                             RET_SCORES: tl.constexpr, SW: tl.constexpr, SP: tl.constexpr, D0: tl.constexpr,
+                             D: tl.constexpr, NP: tl.constexpr, CH: tl.constexpr, HIST_MASK: tl.constexpr):
+        """Program per row: finish the radix select on the kept list (NP passes of D bits below the top
+        D0 bits), then emit from the list's right end (the list is in position order)."""
+        row = tl.program_id(0).to(tl.int64)
+        NB: tl.constexpr = 1 << D
+        n_in, j, above, hj = _split_boundary(tot_ptr, row, k, D0)
+        all_sel = n_in <= k
+        kk = k - above
+        T = tl.where(all_sel, 0, j.to(tl.uint32) << (32 - D0)).to(tl.uint32)
+        need = tl.where(all_sel, k, kk)
+        done = (all_sel | (hj == kk)).to(tl.int32)
+        prefix = j.to(tl.uint32)
+        sidx = tl.arange(0, SP)
+        cnts = tl.load(cnt_ptr + row * NS + sidx, mask=sidx < NS, other=0)
+        ends = tl.cumsum(cnts, axis=0)
+        N = tl.sum(cnts, axis=0)
+        base = row * NS * SW
+        ar = tl.arange(0, CH)
+        bins = tl.arange(0, NB)
+        for q in tl.static_range(NP):
+            if done == 0:
+                h = tl.zeros([NB], tl.int32)
+                n_q = tl.zeros([], tl.int32)
+                for c in range(0, tl.cdiv(N, CH)):
+                    i = c * CH + ar
+                    inb = i < N
+                    x, p = _split_vload(bx_ptr, bp_ptr, base, i, inb, ends, cnts, SW)
+                    m, cand = _row_keys(x, inb)
+                    cand = cand & ((m >> ((NP - q) * D)) == prefix)
+                    b = ((m >> ((NP - 1 - q) * D)) & (NB - 1)).to(tl.int32)
+                    if HIST_MASK:
+                        h += tl.histogram(b, NB, mask=cand)
+                    else:
+                        h += tl.histogram(tl.where(cand, b, 0), NB)
+                        n_q += tl.sum(cand.to(tl.int32), axis=0)
+                if HIST_MASK:
+                    n_q = tl.sum(h, axis=0)
+                else:
+                    h = h - tl.where(bins == 0, tl.cdiv(N, CH) * CH - n_q, 0)
+                incl = n_q - tl.cumsum(h, axis=0) + h
+                jq = tl.max(tl.where(incl >= kk, bins, -1), axis=0)
+                above_q = tl.sum(tl.where(bins == jq, incl - h, 0), axis=0)
+                hq = tl.sum(tl.where(bins == jq, h, 0), axis=0)
+                kk = kk - above_q
+                prefix = (prefix << D) | jq.to(tl.uint32)
+                T = (prefix << ((NP - 1 - q) * D)).to(tl.uint32)
+                need = kk
+                exact = hq == kk
+                if q == NP - 1:
+                    exact = exact | True
+                done = exact.to(tl.int32)
+
+        cnt = tl.zeros([], tl.int32)
+        ties = tl.zeros([], tl.int32)
+        c = tl.cdiv(N, CH) - 1
+        orow = out_ptr + row * k
+        scrow = osc_ptr + row * k
+        while (c >= 0) & (cnt < k):
+            i = c * CH + ar
+            inb = i < N
+            x, p = _split_vload(bx_ptr, bp_ptr, base, i, inb, ends, cnts, SW)
+            m, cand = _row_keys(x, inb)
+            is_tie = (cand & (m == T)).to(tl.int32)
+            n_tie = tl.sum(is_tie, axis=0)
+            tie_rank = ties + n_tie - tl.cumsum(is_tie, axis=0) + is_tie
+            sel = ((cand & (m > T)) | ((is_tie != 0) & (tie_rank <= need))).to(tl.int32)
+            n_sel = tl.sum(sel, axis=0)
+            slot = cnt + n_sel - tl.cumsum(sel, axis=0)
+            keep = (sel != 0) & (slot < k)
+            tl.store(orow + slot, p, mask=keep)
+            if RET_SCORES:
+                tl.store(scrow + slot, x, mask=keep)
+            cnt += tl.sum(keep.to(tl.int32), axis=0)
+            ties += n_tie
+            c -= 1
+        for t in range(0, tl.cdiv(k, CH)):
+            o = t * CH + ar
+            pm = (o >= cnt) & (o < k)
+            tl.store(orow + o, tl.full([CH], -1, tl.int32), mask=pm)
+            if RET_SCORES:
+                tl.store(scrow + o, tl.full([CH], float("-inf"), tl.float32), mask=pm)
+
+
 @functools.lru_cache(maxsize=None)
 def _config(W: int) -> tuple[int, int, int]:
     """(CHUNK, DIGIT, num_warps) from the row width only (never from the number of rows).
@@ -193,6 +359,76 @@ def _config(W: int) -> tuple[int, int, int]:
     return chunk, digit, warps
 
 
+#: which kernel design the public entry point runs for rows of width >= SPLIT_MIN_W: "single" (one
+#: program per row, the design verified on the H200 on 2026-11-30) or "split" (three launches, see the
+#: module docstring). Both give identical bits (exact integer logic, tested against the reference); the
+#: choice is about speed only. Override with the environment variable ZD_TOPK_VARIANT or by assigning
+#: ``zerodiff.ops.topk.VARIANT``; it is read at every call and never depends on the number of rows.
+VARIANT = os.environ.get("ZD_TOPK_VARIANT", "single")
+VARIANTS = ("single", "split")
+#: the split variant is used only for rows at least this wide (narrow rows: routing, short contexts)
+SPLIT_MIN_W = 4096
+#: cap on the split variant's scratch (kept-candidate regions: 8 bytes per row element); more rows are
+#: processed in consecutive blocks of rows (each row's result is a function of that row only)
+SPLIT_SCRATCH_BYTES = 256 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _split_config(W: int) -> dict:
+    """Split-variant configuration from the row width only.
+
+    SW: slice width (one program per slice in the two full-row launches), about W/16 within [1024, 4096];
+    D0: top-digit bits histogrammed over the full row (1024 bins); D: digit of the passes over the kept
+    list (2 passes of 11 bits); CH: chunk of the finishing program; warps per launch.
+    """
+    sw = 1024
+    while sw * 16 < W and sw < 4096:
+        sw *= 2
+    return dict(SW=sw, D0=10, D=11, CH=1024, W1=8 if sw >= 4096 else 4, W2=8 if sw >= 4096 else 4, W3=4)
+
+
+def _check_variant(variant) -> str:
+    if variant not in VARIANTS:
+        raise ValueError(f"deterministic_topk: unknown Top-K variant {variant!r} "
+                         f"(zerodiff.ops.topk.VARIANT / ZD_TOPK_VARIANT must be one of {VARIANTS})")
+    return variant
+
+
+def _topk_split(scores, k, lengths, out, osc, return_scores, hmask, cfg):
+    """Launch the split variant on ``scores`` [R, W] (W > 0, unit column stride) into out / osc."""
+    R, W = scores.shape
+    SW, D0, D, CH = cfg["SW"], cfg["D0"], cfg["D"], cfg["CH"]
+    for name, v in (("SW", SW), ("CH", CH)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"deterministic_topk: split {name}={v} must be a power of two >= 16")
+    if not (1 <= D0 <= 16 and 1 <= D <= 16 and (32 - D0) % D == 0):
+        raise ValueError(f"deterministic_topk: split digits D0={D0}, D={D}: need 32 - D0 to be a multiple of D")
+    NS = triton.cdiv(W, SW)
+    SP = triton.next_power_of_2(NS)
+    NP = (32 - D0) // D
+    rows_per_block = max(1, SPLIT_SCRATCH_BYTES // (8 * NS * SW))
+    has_len = lengths is not None
+    lens_all = lengths.to(torch.int32).contiguous() if has_len else None
+    for r0 in range(0, R, rows_per_block):
+        r1 = min(R, r0 + rows_per_block)
+        rb = r1 - r0
+        s = scores[r0:r1]
+        lens = lens_all[r0:r1] if has_len else out
+        o = out[r0:r1]
+        oc = osc[r0:r1] if return_scores else o
+        tot = torch.zeros((rb, 1 << D0), dtype=torch.int32, device=scores.device)
+        bx = torch.empty((rb, NS * SW), dtype=torch.float32, device=scores.device)
+        bp = torch.empty((rb, NS * SW), dtype=torch.int32, device=scores.device)
+        cnt = torch.empty((rb, NS), dtype=torch.int32, device=scores.device)
+        _split_hist_kernel[(rb, NS)](s, lens, tot, W, s.stride(0), HAS_LEN=has_len, SW=SW, D0=D0,
+                                     HIST_MASK=hmask, num_warps=cfg["W1"], **zt.LAUNCH_OPTS)
+        _split_compact_kernel[(rb, NS)](s, lens, tot, bx, bp, cnt, W, k, NS, s.stride(0), HAS_LEN=has_len,
+                                        SW=SW, D0=D0, num_warps=cfg["W2"], **zt.LAUNCH_OPTS)
+        _split_finish_kernel[(rb,)](bx, bp, cnt, tot, o, oc, k, NS, RET_SCORES=return_scores, SW=SW, SP=SP,
+                                    D0=D0, D=D, NP=NP, CH=CH, HIST_MASK=hmask, num_warps=cfg["W3"],
+                                    **zt.LAUNCH_OPTS)
+
+
 def _hist_mask_supported() -> bool:
     import inspect
 
@@ -205,8 +441,18 @@ def _hist_mask_supported() -> bool:
 _HIST_MASK = zt.HAVE_TRITON and _hist_mask_supported()
 
 
-def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist_mask=None, num_warps=None):
+def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist_mask=None, num_warps=None,
+                 variant=None, split=None):
+    """Run a Triton variant. ``variant`` None = :data:`VARIANT` (for W >= SPLIT_MIN_W; narrower rows always
+    run "single"); an explicit "split" runs the split kernels at any width (tests). ``split``: overrides
+    of :func:`_split_config` keys (tests and benchmark sweeps only)."""
     zt.require_triton()
+    if variant is None:
+        variant = _check_variant(VARIANT)
+        if scores.dim() == 2 and scores.shape[1] < SPLIT_MIN_W:
+            variant = "single"
+    else:
+        _check_variant(variant)
     if not zt.triton_usable_for(scores.device):
         raise RuntimeError(
             f"deterministic_topk: backend='triton' cannot run on {scores.device} here "
@@ -221,6 +467,15 @@ def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist
         out.fill_(-1)
         if return_scores:
             osc.fill_(float("-inf"))
+    elif R > 0 and variant == "split":
+        cfg = dict(_split_config(W))
+        if split:
+            unknown = set(split) - set(cfg)
+            if unknown:
+                raise ValueError(f"deterministic_topk: unknown split config keys {sorted(unknown)}")
+            cfg.update(split)
+        hmask = _HIST_MASK if hist_mask is None else (hist_mask and _HIST_MASK)
+        _topk_split(scores, k, lengths, out, osc, return_scores, hmask, cfg)
     elif R > 0:
         CHUNK, DIGIT, warps = _config(W)
         # overrides are for tests only: small chunks cover the multi-chunk logic at small widths, and
