@@ -11,7 +11,7 @@ Two entry points:
   sparse_attention``).
 * ``sparse_mla_attention(q, cache, block_table, req_ids, positions, sm_scale, *, attn_sink=None,
   d_nope=512, d_rope=64, seq_lens=None, rows_per_chunk=256, workspace="per_row", check=True, backend=None,
-  gather_backend=None) -> (out, lse)``: THE read path.
+  gather_backend=None, split_variant=None) -> (out, lse)``: THE read path.
   Query row r attends to the request-local ``positions[r]`` (int32 [Q, W], e.g. the DSA Top-K output,
   -1 = empty) of request ``req_ids[r]``: ``kv_cache.gather_kv`` dequantises those positions into a
   per-row BF16 workspace [rows, W, d_nope + d_rope] (W from model limits: max top-k plus window), then
@@ -27,11 +27,16 @@ Two entry points:
   d_rope=64, seq_lens=None, check=True, out=None) -> (out, lse)``: the Triton fallback reading the FP8 cache
   directly (no workspace), bit for bit ``sparse_mla_attention(..., backend="triton")``.
 * ``sparse_mla_attention_fp8_split(q, cache, block_table, req_ids, positions, sm_scale, *, attn_sink=None,
-  d_nope=512, d_rope=64, seq_lens=None, check=True, out=None) -> (out, lse)``, also reached as
+  d_nope=512, d_rope=64, seq_lens=None, check=True, out=None, variant=None) -> (out, lse)``, also reached as
   ``sparse_mla_attention(..., backend="triton_fp8_split")``: THE FAST consistent read path (split-index fused
   FP8 kernel; contract below). ``backend="triton_fp8"`` routes to ``sparse_mla_attention_fp8`` likewise.
 * ``split_config(d_nope=512, d_rope=64) -> dict``: the split kernel's fixed launch configuration for a model
   shape (BLOCK_H, BLOCK_N, CHUNK, num_warps, num_stages, MERGE_BH, merge_warps).
+* ``split_variant_config(variant="default", d_nope=512, d_rope=64) -> dict``: the configuration of a named variant
+  (``SPLIT_VARIANTS``; ``SPLIT_VARIANT`` = "default" is the one the backend runs; pass ``variant=`` to
+  ``sparse_mla_attention_fp8_split`` or ``split_variant=`` to ``sparse_mla_attention`` to pick another).
+  Variants in ``SPLIT_SAME_BITS_AS_DEFAULT`` ("pf", "pf_s2": hand-pipelined loads, column-split merge) run the
+  default's arithmetic in the default's order (same bits); the others change tiles, hence bits.
 * ``default_sm_scale(d_qk=576) -> float``: 1 / sqrt(d_qk).
 
 Split-index fused FP8 kernel (``triton_fp8_split``), numerical contract. Query row r, head h, index list
@@ -385,8 +390,12 @@ def sparse_mla_attention_fp8(q, cache, block_table, req_ids, positions, sm_scale
 
 def sparse_mla_attention(q, cache, block_table, req_ids, positions, sm_scale: float, *, attn_sink=None,
                          d_nope: int = 512, d_rope: int = 64, seq_lens=None, rows_per_chunk: int = 256,
-                         workspace: str = "per_row", check: bool = True, backend=None, gather_backend=None):
+                         workspace: str = "per_row", check: bool = True, backend=None, gather_backend=None,
+                         split_variant: str | None = None):
     Q = q.shape[0]
+    if split_variant is not None and backend != "triton_fp8_split":
+        raise ValueError(f"zerodiff.sparse_attention: split_variant={split_variant!r} applies to "
+                         f"backend='triton_fp8_split' only, not backend={backend!r}")
     if positions.dim() != 2 or positions.shape[0] != Q:
         raise ValueError(f"zerodiff.sparse_attention: positions must be int32 [{Q}, W], got {tuple(positions.shape)}")
     if backend in ("triton_fp8_split", "triton_fp8"):
@@ -396,9 +405,12 @@ def sparse_mla_attention(q, cache, block_table, req_ids, positions, sm_scale: fl
         if gather_backend not in (None, "triton"):
             raise ValueError(f"zerodiff.sparse_attention: backend={backend!r} dequantises inside the attention kernel; "
                              f"gather_backend={gather_backend!r} cannot apply (leave it None)")
-        fn = sparse_mla_attention_fp8_split if backend == "triton_fp8_split" else sparse_mla_attention_fp8
-        return fn(q, cache, block_table, req_ids, positions, sm_scale, attn_sink=attn_sink, d_nope=d_nope,
-                  d_rope=d_rope, seq_lens=seq_lens, check=check)
+        if backend == "triton_fp8_split":
+            return sparse_mla_attention_fp8_split(q, cache, block_table, req_ids, positions, sm_scale,
+                                                  attn_sink=attn_sink, d_nope=d_nope, d_rope=d_rope,
+                                                  seq_lens=seq_lens, check=check, variant=split_variant)
+        return sparse_mla_attention_fp8(q, cache, block_table, req_ids, positions, sm_scale, attn_sink=attn_sink,
+                                        d_nope=d_nope, d_rope=d_rope, seq_lens=seq_lens, check=check)
     if rows_per_chunk <= 0:
         raise ValueError(f"zerodiff.sparse_attention: rows_per_chunk={rows_per_chunk} must be positive")
     D = d_nope + d_rope
@@ -469,6 +481,51 @@ _SPLIT_SMALL = dict(BLOCK_H=16, BLOCK_N=16, CHUNK=32, num_warps=4, num_stages=1,
 def split_config(d_nope: int = 512, d_rope: int = 64) -> dict:
     """The fixed launch configuration of the split kernel for a model shape (a copy; see ``_SPLIT_CONFIGS``)."""
     return dict(_SPLIT_CONFIGS.get((d_nope, d_rope), _SPLIT_SMALL))
+
+
+#: Named variants of the split kernel (performance work of 2026-11-30, not yet measured on a GPU). Each is a fixed
+#: function of the model shape (never of the batch), applied on top of ``split_config``:
+#:
+#: * ``"default"``: the configuration verified on the H200 (2026-11-30). Shipped.
+#: * ``"pf"``: the SAME tiles and the SAME arithmetic in the same order as "default" (so the same bits, tested
+#:   bitwise in the interpreter; the GPU test re-checks it), with the loads software-pipelined by hand: the
+#:   index list and block table of sub-block i+2 and the raw FP8 bytes of sub-block i+1 are loaded while
+#:   sub-block i is computed (removes the idx -> block table -> token dependent-load chain from each step);
+#:   Triton's own pipeliner off (num_stages 1); 16-byte-aligned row offsets. Merge split over 4 V column blocks
+#:   (MERGE_DV = D_V / 4: 4x the merge programs; per-element arithmetic unchanged, so the same bits).
+#: * ``"pf_s2"``: "pf" with num_stages 2 (same bits as "pf": staging changes only the load schedule).
+#: * ``"pf_bn2x"``: "pf" with BLOCK_N doubled (half the rescales / steps; OTHER bits than "default").
+#: * ``"pf_chunk2x"``: "pf" with CHUNK doubled (half the partials traffic; OTHER bits than "default").
+#: * ``"pf_bh2x"``: "pf" with BLOCK_H doubled (64 heads per program: each token dequantised once, not twice).
+#:   Same per-head operations, but another MMA N may select another MMA instruction: bits vs "default" not
+#:   claimed (the GPU sweep test reports it); invariant on its own like every variant.
+#:
+#: ``SPLIT_VARIANT`` names the one the ``triton_fp8_split`` backend runs; changing it is a deployment decision made
+#: for rollout AND training together (variants marked "OTHER bits" change every output).
+SPLIT_VARIANTS = ("default", "pf", "pf_s2", "pf_bn2x", "pf_chunk2x", "pf_bh2x")
+#: the variant ``backend="triton_fp8_split"`` runs when none is named (the verified one).
+SPLIT_VARIANT = "default"
+#: variants whose bits equal "default" by construction (identical arithmetic, other load schedule / merge grid).
+SPLIT_SAME_BITS_AS_DEFAULT = ("pf", "pf_s2")
+
+
+def split_variant_config(variant: str = "default", d_nope: int = 512, d_rope: int = 64) -> dict:
+    """The fixed launch configuration of a named split variant for a model shape (see ``SPLIT_VARIANTS``)."""
+    if variant not in SPLIT_VARIANTS:
+        raise ValueError(f"zerodiff.sparse_attention: split variant {variant!r} unknown (one of {SPLIT_VARIANTS})")
+    cfg = split_config(d_nope, d_rope)
+    if variant == "default":
+        return cfg
+    cfg.update(PREFETCH=True, num_stages=1, MERGE_DV=max(d_nope // 4, 32))
+    if variant == "pf_s2":
+        cfg["num_stages"] = 2
+    elif variant == "pf_bn2x":
+        cfg["BLOCK_N"] *= 2
+    elif variant == "pf_chunk2x":
+        cfg["CHUNK"] *= 2
+    elif variant == "pf_bh2x":
+        cfg["BLOCK_H"] *= 2
+    return cfg
 
 
 if HAVE_TRITON:
@@ -596,6 +653,166 @@ if HAVE_TRITON:
         tl.store(lse_ptr + r * lse_s0 + h, lse, mask=hm)
 
 
+if HAVE_TRITON:
+
+    @triton.jit
+    def _split_pf_resolve(pos_ptr, pos_s0, r, n, n_end, K, bt_ptr, bt_s0, req, num_blocks, max_blocks,
+                          BLOCK_SIZE: tl.constexpr):
+        """Entries n (< n_end, < K) of row r's list -> int32 cache slot, -1 for an empty entry, -2 for an
+        unresolvable one (hole, past the table): ``_split_dequant_tile``'s resolution, integer logic only, packed
+        into one int32 per entry so the pipelined kernel carries one small tensor between steps."""
+        idx = tl.load(pos_ptr + r * pos_s0 + n, mask=(n < K) & (n < n_end), other=-1)
+        valid = idx >= 0
+        lb = tl.where(valid, idx // BLOCK_SIZE, 0)
+        in_table = lb < max_blocks
+        blk = tl.load(bt_ptr + req * bt_s0 + lb, mask=valid & in_table, other=-1)
+        ok = valid & in_table & (blk >= 0) & (blk < num_blocks)
+        slot = blk * BLOCK_SIZE + idx % BLOCK_SIZE  # < 2^31: the cache holds fewer tokens than that
+        return tl.where(ok, slot, tl.where(valid, -2, -1))
+
+    @triton.jit
+    def _split_pf_raw(cache_ptr, slot, D_V: tl.constexpr, D_R: tl.constexpr, BPT: tl.constexpr,
+                      AL_C: tl.constexpr, AL_S: tl.constexpr, AL_R: tl.constexpr):
+        """The raw bytes of resolved tokens: e4m3 codes uint8 [N, G, 128], fp32 scales [N, G], bf16 rope [N, D_R].
+        AL_C / AL_S / AL_R: the byte alignment of each field's start (cache base 16-aligned, checked by the
+        caller), stated so the loads vectorise (16-byte code loads at the model shape instead of byte loads)."""
+        G: tl.constexpr = D_V // 128
+        ok = slot >= 0
+        base = cache_ptr + cache_row_offset(tl.where(ok, slot, 0).to(tl.int64), BPT)
+        gi = tl.arange(0, G)
+        ci = tl.arange(0, 128)
+        off = gi[None, :, None] * 128 + ci[None, None, :]
+        cptr = base[:, None, None] + off
+        cptr = tl.max_contiguous(tl.multiple_of(cptr, [1, 1, AL_C]), [1, 1, AL_C])
+        code = tl.load(cptr, mask=ok[:, None, None], other=0)
+        sptr = (base[:, None] + D_V).to(tl.pointer_type(tl.float32)) + gi[None, :]
+        sptr = tl.max_contiguous(tl.multiple_of(sptr, [1, AL_S]), [1, AL_S // 4])
+        sc = tl.load(sptr, mask=ok[:, None], other=0.0)
+        dr = tl.arange(0, D_R)
+        rptr = (base[:, None] + D_V + 4 * G).to(tl.pointer_type(tl.bfloat16)) + dr[None, :]
+        rptr = tl.max_contiguous(tl.multiple_of(rptr, [1, AL_R]), [1, AL_R // 2])
+        kr = tl.load(rptr, mask=ok[:, None], other=0.0)
+        return code, sc, kr
+
+    @triton.jit
+    def _split_partial_pf_kernel(
+        q_ptr, q_s0, q_s1, pos_ptr, pos_s0, req_ptr, cache_ptr, bt_ptr, bt_s0,
+        pm_ptr, pl_ptr, pacc_ptr, H, K, NCH, num_blocks, max_blocks, scale_log2,
+        D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_SIZE: tl.constexpr, BPT: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr,
+        AL_C: tl.constexpr, AL_S: tl.constexpr, AL_R: tl.constexpr,
+    ):
+        # The arithmetic of _split_partial_kernel, statement for statement and in the same order (hence the same
+        # bits for the same tiles); only the loads are scheduled differently: a two-deep software pipeline in
+        # registers. Step i computes sub-block i from raw bytes loaded during step i-1, issues the raw loads of
+        # sub-block i+1 (addresses resolved during step i-1) and resolves sub-block i+2 (index + block table).
+        hb = tl.program_id(0)
+        c = tl.program_id(1)
+        r = tl.program_id(2).to(tl.int64)
+        req = tl.load(req_ptr + r).to(tl.int64)
+        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = h < H
+        dv = tl.arange(0, D_V)
+        dr = tl.arange(0, D_R)
+        qrow = q_ptr + r * q_s0 + h[None, :] * q_s1
+        qnt = tl.load(qrow + dv[:, None], mask=hm[None, :], other=0.0)  # [D_V, BLOCK_H]
+        qrt = tl.load(qrow + D_V + dr[:, None], mask=hm[None, :], other=0.0)  # [D_R, BLOCK_H]
+        if EXACT:
+            qnt = qnt.to(tl.float32)
+            qrt = qrt.to(tl.float32)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([D_V, BLOCK_H], tl.float32)
+        n_lo = c * CHUNK
+        n_end = n_lo + CHUNK
+        ar = tl.arange(0, BLOCK_N)
+        # prologue: sub-block 0 resolved and loaded, sub-block 1 resolved
+        slot0 = _split_pf_resolve(pos_ptr, pos_s0, r, n_lo + ar, n_end, K, bt_ptr, bt_s0, req, num_blocks,
+                                  max_blocks, BLOCK_SIZE)
+        code, sc, kr_raw = _split_pf_raw(cache_ptr, slot0, D_V, D_R, BPT, AL_C, AL_S, AL_R)
+        slot = slot0
+        slot1 = _split_pf_resolve(pos_ptr, pos_s0, r, n_lo + BLOCK_N + ar, n_end, K, bt_ptr, bt_s0, req,
+                                  num_blocks, max_blocks, BLOCK_SIZE)
+        for n0 in range(0, CHUNK, BLOCK_N):
+            # issue the next loads first (their results are consumed one / two steps later)
+            code_n, sc_n, kr_n = _split_pf_raw(cache_ptr, slot1, D_V, D_R, BPT, AL_C, AL_S, AL_R)
+            slot2 = _split_pf_resolve(pos_ptr, pos_s0, r, n_lo + n0 + 2 * BLOCK_N + ar, n_end, K, bt_ptr, bt_s0,
+                                      req, num_blocks, max_blocks, BLOCK_SIZE)
+            bad = slot == -2
+            valid = slot != -1
+            # sub-block n0: dequantise exactly as _split_dequant_tile, then the default kernel's step
+            k3 = cast_bf16(code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, :, None], EXACT)
+            kn = tl.reshape(k3, [k3.shape[0], D_V])
+            nan = tl.full([1, 1], float("nan"), tl.float32).to(tl.bfloat16)
+            kn = tl.where(bad[:, None], nan, kn)
+            kr = tl.where(bad[:, None], nan, kr_raw)
+            if EXACT:
+                kn = kn.to(tl.float32)
+                kr = kr.to(tl.float32)
+            s = tl.dot(kn, qnt) + tl.dot(kr, qrt)  # [BLOCK_N, BLOCK_H] = scores^T
+            s = s * scale_log2
+            s = tl.where(valid[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[None, :])
+            l = l * alpha + tl.sum(p, axis=0)
+            pb = cast_bf16(p, EXACT)
+            if EXACT:
+                pb = pb.to(tl.float32)
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(kn), pb)  # [D_V, BLOCK_H]
+            m = m_new
+            # rotate the pipeline
+            code = code_n
+            sc = sc_n
+            kr_raw = kr_n
+            slot = slot1
+            slot1 = slot2
+        prow = (r * NCH + c) * H + h
+        tl.store(pm_ptr + prow, m, mask=hm)
+        tl.store(pl_ptr + prow, l, mask=hm)
+        tl.store(pacc_ptr + ((r * NCH + c) * D_V + dv[:, None]) * H + h[None, :], acc, mask=hm[None, :])
+
+    @triton.jit
+    def _split_merge_v_kernel(
+        pm_ptr, pl_ptr, pacc_ptr, sink_ptr, out_ptr, o_s0, o_s1, lse_ptr, lse_s0, H, NCH,
+        D_V: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, MERGE_DV: tl.constexpr,
+        EXACT: tl.constexpr,
+    ):
+        # _split_merge_kernel with the output columns split over a third grid axis: program (r, head block, vb)
+        # writes columns [vb * MERGE_DV, (vb + 1) * MERGE_DV). Every output element and l see exactly the default
+        # merge's operations in the same (ascending chunk) order, so the bits are the default merge's.
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        vb = tl.program_id(2)
+        hm = h < H
+        dv = vb * MERGE_DV + tl.arange(0, MERGE_DV)
+        mx = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for c in range(0, NCH):
+            mx = tl.maximum(mx, tl.load(pm_ptr + (r * NCH + c) * H + h, mask=hm, other=float("-inf")))
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, MERGE_DV], tl.float32)
+        for c in range(0, NCH):
+            prow = (r * NCH + c) * H + h
+            mc = tl.load(pm_ptr + prow, mask=hm, other=float("-inf"))
+            w = tl.exp2(mc - mx_safe)
+            l = l + tl.load(pl_ptr + prow, mask=hm, other=0.0) * w
+            at = tl.load(pacc_ptr + ((r * NCH + c) * D_V + dv[:, None]) * H + h[None, :], mask=hm[None, :], other=0.0)
+            acc = acc + tl.trans(at) * w[:, None]
+        lonely = l == 0.0
+        l_safe = tl.where(lonely, 1.0, l)
+        lse2 = tl.where(lonely, 0.0, mx_safe + tl.log2(l_safe))
+        o = acc / l_safe[:, None]
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
+            o = o * (1.0 / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2)))[:, None]
+        o = tl.where(lonely[:, None], 0.0, o)
+        lse = tl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
+        tl.store(out_ptr + r * o_s0 + h[:, None] * o_s1 + dv[None, :], cast_bf16(o, EXACT), mask=hm[:, None])
+        tl.store(lse_ptr + r * lse_s0 + h, lse, mask=hm & (vb == 0))
+
+
 def _check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope, d_rope, what):
     _kv._check_dims(d_nope, d_rope)
     _kv._check_cache(cache, d_nope, d_rope)
@@ -618,11 +835,12 @@ def _check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d
 
 def sparse_mla_attention_fp8_split(q, cache, block_table, req_ids, positions, sm_scale: float, *, attn_sink=None,
                                    d_nope: int = 512, d_rope: int = 64, seq_lens=None, check: bool = True,
-                                   out=None, _config=None):
+                                   out=None, variant: str | None = None, _config=None):
     """The split-index fused FP8 read path (``backend="triton_fp8_split"``); see the module docstring.
 
-    ``_config`` (private) overrides the fixed launch configuration; only the benchmark's exploration and
-    the negative-control tests use it. Any other config gives different bits."""
+    ``variant`` names a fixed configuration from ``SPLIT_VARIANTS`` (None: the module's ``SPLIT_VARIANT``,
+    "default"). ``_config`` (private) overrides the launch configuration entirely; only the benchmark's
+    exploration and the negative-control tests use it. Any other tile config gives different bits."""
     require_triton()
     if not triton_usable_for(q.device):
         raise ValueError(f"zerodiff.sparse_attention[triton_fp8_split]: cannot run on {q.device} here "
@@ -634,10 +852,16 @@ def sparse_mla_attention_fp8_split(q, cache, block_table, req_ids, positions, sm
                          f"with unit last stride, got {out.dtype} {tuple(out.shape)}")
     if check:
         _kv._check_gather_values(cache, block_table, req_ids, positions, seq_lens)
-    cfg = split_config(d_nope, d_rope) if _config is None else dict(_config)
+    if _config is not None:
+        cfg = dict(_config)
+    else:
+        cfg = split_variant_config(SPLIT_VARIANT if variant is None else variant, d_nope, d_rope)
     chunk, bn = int(cfg["CHUNK"]), int(cfg["BLOCK_N"])
     if chunk <= 0 or bn <= 0 or chunk % bn:
         raise ValueError(f"zerodiff.sparse_attention[triton_fp8_split]: CHUNK={chunk} must be a positive multiple of BLOCK_N={bn}")
+    mdv = int(cfg.get("MERGE_DV", d_nope))
+    if mdv <= 0 or d_nope % mdv or (mdv & (mdv - 1)):
+        raise ValueError(f"zerodiff.sparse_attention[triton_fp8_split]: MERGE_DV={mdv} must be a power of two dividing d_nope={d_nope}")
     if out is None:
         out = torch.empty(Q, H, d_nope, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(Q, H, dtype=torch.float32, device=q.device)
@@ -666,15 +890,40 @@ def _split_partials(q, cache, block_table, req_ids, positions, sm_scale, d_nope,
     pm = torch.empty(Q, nch, H, dtype=torch.float32, device=q.device)
     pl = torch.empty(Q, nch, H, dtype=torch.float32, device=q.device)
     pacc = torch.empty(Q, nch, d_nope, H, dtype=torch.float32, device=q.device)
-    _split_partial_kernel[(triton.cdiv(H, cfg["BLOCK_H"]), nch, Q)](
+    extra = {}
+    kernel = _split_partial_kernel
+    if cfg.get("PREFETCH", False):
+        kernel = _split_partial_pf_kernel
+        extra = _pf_alignments(cache, d_nope)
+    kernel[(triton.cdiv(H, cfg["BLOCK_H"]), nch, Q)](
         q, q.stride(0), q.stride(1), positions, positions.stride(0), req_ids, cache, block_table,
         block_table.stride(0), pm, pl, pacc, H, K, nch, cache.shape[0], block_table.shape[1],
         float(sm_scale) * LOG2E,
         D_V=d_nope, D_R=d_rope, BLOCK_SIZE=cache.shape[1], BPT=cache.shape[2],
         BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], CHUNK=chunk, EXACT=_triton.EXACT_CASTS,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **LAUNCH_OPTS,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra, **LAUNCH_OPTS,
     )
     return pm, pl, pacc
+
+
+def _pow2_align(n: int, cap: int = 16) -> int:
+    a = 1
+    while a < cap and n % (2 * a) == 0:
+        a *= 2
+    return a
+
+
+def _pf_alignments(cache, d_nope):
+    """Byte alignment of the code / scale / rope fields of every cache token (constexprs of the pipelined kernel).
+    Fails closed when the cache base itself is not 16-byte aligned (the alignment hints would then be false)."""
+    if cache.data_ptr() % 16:
+        raise ValueError("zerodiff.sparse_attention[triton_fp8_split]: the pipelined split variants need a 16-byte "
+                         f"aligned cache base (data_ptr % 16 = {cache.data_ptr() % 16}); use variant='default'")
+    bpt = cache.shape[2]
+    a = _pow2_align(bpt)
+    if a < 4:
+        raise ValueError(f"zerodiff.sparse_attention[triton_fp8_split]: token size {bpt} B is not a multiple of 4")
+    return dict(AL_C=a, AL_S=min(a, _pow2_align(d_nope)), AL_R=min(a, _pow2_align(d_nope + 4 * (d_nope // 128))))
 
 
 def _split_merge(parts, attn_sink, out, lse, cfg):
@@ -682,6 +931,15 @@ def _split_merge(parts, attn_sink, out, lse, cfg):
     pm, pl, pacc = parts
     Q, nch, H = pm.shape
     sink = attn_sink if attn_sink is not None else lse  # dummy pointer when HAS_SINK is false
+    d_v = pacc.shape[2]
+    mdv = int(cfg.get("MERGE_DV", d_v))
+    if mdv < d_v:  # the column-split merge (same bits as the default merge; more programs)
+        _split_merge_v_kernel[(Q, triton.cdiv(H, cfg["MERGE_BH"]), d_v // mdv)](
+            pm, pl, pacc, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), H, nch,
+            D_V=d_v, HAS_SINK=attn_sink is not None, BLOCK_H=cfg["MERGE_BH"], MERGE_DV=mdv,
+            EXACT=_triton.EXACT_CASTS, num_warps=cfg["merge_warps"], **LAUNCH_OPTS,
+        )
+        return out, lse
     _split_merge_kernel[(Q, triton.cdiv(H, cfg["MERGE_BH"]))](
         pm, pl, pacc, sink, out, out.stride(0), out.stride(1), lse, lse.stride(0), H, nch,
         D_V=pacc.shape[2], HAS_SINK=attn_sink is not None, BLOCK_H=cfg["MERGE_BH"], EXACT=_triton.EXACT_CASTS,
