@@ -1013,3 +1013,111 @@ def test_dsv4_decode_attention_adapter(seeded):
     # a padding token (slot < 0) gets length 0
     run([0, 1], valid=torch.tensor([True, False]))
     assert int(calls[-1][3][1]) == 0 and int(calls[-1][3][0]) > 0
+
+
+def _ds_prefill_flashmla(fm, q, d, reqs, cr, width, sm_scale, sink, topk_rev=False):
+    """vLLM's prefill layout on the GPU: one workspace [B, M, 512] (request b: compressed 0..L//cr-1 at rows
+    0.., its SWA gather at row N..), indices M*b + ... in combine_topk_swa_indices' order, padded to ``width``
+    with -1, then flash_mla_sparse_fwd; each request is a one-token prefill of its last position."""
+    B = len(reqs)
+    W_s = d["window"]
+    Ns = [d["lens"][r] // cr if cr > 1 else 0 for r in reqs]
+    N = max(Ns)
+    M = N + W_s
+    dev = q.device
+    ws = torch.zeros(B, M, zv.DSV4_HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    idx = torch.full((B, 1, width), -1, dtype=torch.int32, device=dev)
+    lens = torch.zeros(B, dtype=torch.int32, device=dev)
+    for b, r in enumerate(reqs):
+        L = d["lens"][r]
+        if Ns[b]:
+            c = torch.arange(Ns[b], device=dev)
+            ws[b, :Ns[b]] = zv.dsv4_dequant_rows(d["ccache"], d["cbs"], d["cbt"][r].long()[c // d["cbs"]], c % d["cbs"])
+        gl = min(L, W_s)  # qlen 1: gather = 1 + min(prefix, W - 1)
+        p = torch.arange(L - gl, L, device=dev)
+        ws[b, N:N + gl] = zv.dsv4_dequant_rows(d["scache"], d["sbs"], d["sbt"][r].long()[p // d["sbs"]], p % d["sbs"])
+        tl_ = min(L // cr, d["top_k"]) if cr > 1 else 0
+        top = (d["topk"][r, :tl_].long() if d["topk"] is not None else torch.arange(tl_, device=dev))
+        if topk_rev:
+            top = top.flip(0)
+        s0 = max(L - 1 - (W_s - 1), 0)
+        lst = torch.cat([top, N + torch.arange(s0, L, device=dev) - (L - gl)]) + M * b
+        idx[b, 0, :lst.numel()] = lst.int()
+        lens[b] = lst.numel()
+    out = torch.empty(B, q.shape[1], zv.DSV4_HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    fm.flash_mla_sparse_fwd(q=q, kv=ws.view(-1, 1, zv.DSV4_HEAD_DIM), indices=idx, sm_scale=sm_scale,
+                            attn_sink=sink, topk_length=lens, out=out)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cr", [4, 128, 1])
+def test_gpu_dsv4_decode_equals_prefill_path_flashmla(cr):
+    """On the H200 with the vLLM wheel's FlashMLA: a decode token through dsv4_decode_attention is bit-identical
+    to the same token through vLLM's prefill layout (other workspace numbering, other padded widths: the
+    batch-dependent C128A width is covered), alone and among 1..64 other requests at 3 positions, 3 rounds.
+    Negative control: the same entries with the top-k reversed differ (index order is part of the contract)."""
+    from zerodiff import backends
+
+    fm = backends.flash_mla()
+    if fm is None:
+        pytest.skip("FlashMLA not available through zerodiff.backends (vLLM wheel kernels)")
+    g = torch.Generator().manual_seed(7 + cr)
+    T, H, window, top_k = 65, 64, 128, (512 if cr == 4 else 0)
+    nb = 1200
+    sbs = 64
+    scache = _ds_cache(g, nb, sbs).cuda()
+    attn_bs = 256
+    cbs = attn_bs // cr if cr > 1 else 1
+    ccache = _ds_cache(g, nb, cbs).cuda() if cr > 1 else None
+    lens = [int(x) for x in torch.randint(1, 6000, (T,), generator=g)]
+    lens[:4] = [1, 129, 2049, 6000]
+    if cr == 128:
+        top_k = 128 * ((-(-8192 // 128) + 127) // 128)  # model-limit width for max_model_len 8192
+    sbt = torch.stack([torch.randperm(nb, generator=g)[:128] for _ in range(T)]).int().cuda()
+    cbt = torch.stack([torch.randperm(nb, generator=g)[:1024] for _ in range(T)]).int().cuda()
+    topk = None
+    if cr == 4:
+        topk = torch.full((T, top_k), -1, dtype=torch.int32)
+        for t, L in enumerate(lens):
+            sel = torch.randperm(L // 4, generator=g)[:top_k].sort(descending=True).values
+            topk[t, :len(sel)] = sel.int()
+        topk = topk.cuda()
+    d = dict(scache=scache, ccache=ccache, cbs=cbs, sbs=sbs, sbt=sbt, cbt=cbt, lens=lens, topk=topk,
+             window=window, top_k=top_k)
+    q_all = (torch.randn(T, H, zv.DSV4_HEAD_DIM, generator=g) * 2).to(torch.bfloat16).cuda()
+    sink = torch.randn(H, generator=g).cuda()
+    scale = zv.DSV4_HEAD_DIM ** -0.5
+
+    def decode(order):
+        n = len(order)
+        o = torch.tensor(order, device="cuda")
+        layer = NS(compress_ratio=cr, window_size=window, max_image_tokens=0, max_model_len=8192, scale=scale,
+                   attn_sink=sink, topk_indices_buffer=None if topk is None else topk[o],
+                   swa_cache_layer=NS(kv_cache=scache))
+        sw = NS(num_decode_tokens=n, num_decodes=n, token_to_req_indices=torch.arange(n, dtype=torch.int32, device="cuda"),
+                is_valid_token=torch.ones(n, dtype=torch.bool, device="cuda"), block_table=sbt[o], block_size=sbs)
+        am = None if cr == 1 else NS(block_size=attn_bs, block_table=cbt[o])
+        out = torch.empty(n, H, zv.DSV4_HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+        pos = torch.tensor([lens[i] - 1 for i in order], device="cuda")
+        zv.dsv4_decode_attention(layer, q_all[o], pos, ccache, sw, am, cr == 1, out, fm.flash_mla_sparse_fwd)
+        return out
+
+    full = decode(list(range(T)))
+    w0 = zv.dsv4_workspace_width(top_k, window)
+    # the prefill layout, batch = all requests, at the model width and at a wider (C128A-style batch) width
+    for width in (w0, w0 + 256):
+        pre = _ds_prefill_flashmla(fm, q_all, d, list(range(T)), max(cr, 1), width, scale, sink)
+        assert torch.equal(pre, full), f"decode != prefill layout (width {width})"
+    for rnd in range(3):
+        victim = (5 + 17 * rnd) % T
+        alone = decode([victim])
+        others = [i for i in range(T) if i != victim]
+        for B in (2, 15, 16, 17, 33, 64):
+            for at in sorted({0, B // 2, B - 1}):
+                order = others[rnd:rnd + B - 1]
+                order.insert(at, victim)
+                assert torch.equal(decode(order)[at], alone[0]), (cr, rnd, B, at)
+    if cr > 1:
+        rev = _ds_prefill_flashmla(fm, q_all, d, list(range(T)), cr, w0, scale, sink, topk_rev=True)
+        assert not torch.equal(rev, full), "negative control: a reversed top-k order should change the output"
