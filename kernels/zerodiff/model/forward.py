@@ -48,7 +48,9 @@ class StepInputs:
     logits_rows: torch.Tensor  # int64 [L]: flat token indices whose logits are wanted
     max_pos: int = 0
     keys: list = field(default_factory=list)
-    pure_decode: bool = False  # set for CUDA-graph decode steps (every token is a decode token)  # optional per-token (request key, position) for records
+    pure_decode: bool = False  # set for CUDA-graph decode steps (every token is a decode token)
+    req_len_host: list | None = None  # host copy of ctx_before + n_tok per request (eager steps; no device sync)
+    decode_host: list | None = None  # host copy: flat token indices that are decode tokens (n_tok 1, ctx > 0)
 
     @property
     def T(self) -> int:
@@ -80,13 +82,15 @@ def build_step(seqs, device="cpu", logits_for=None) -> StepInputs:
     ``{"tokens": [ints for this step], "start": ctx_before, "blocks": [block ids], "logits": [local idx],
     "key": request key}``; ``max_blocks`` = longest block list."""
     toks, slot, pos, keys, lrows = [], [], [], [], []
-    cb, nt, qs = [], [], []
+    cb, nt, qs, dec = [], [], [], []
     mb = max(1, max(len(r["blocks"]) for r in seqs)) if seqs else 1
     bt = torch.full((len(seqs), mb), -1, dtype=torch.int32)
     for i, r in enumerate(seqs):
         qs.append(len(toks))
         cb.append(r["start"])
         nt.append(len(r["tokens"]))
+        if len(r["tokens"]) == 1 and r["start"] > 0:
+            dec.append(len(toks))
         bt[i, : len(r["blocks"])] = torch.tensor(r["blocks"], dtype=torch.int32)
         for j, t in enumerate(r["tokens"]):
             if j in r.get("logits_set", ()):
@@ -107,6 +111,8 @@ def build_step(seqs, device="cpu", logits_for=None) -> StepInputs:
         logits_rows=torch.tensor(lrows, dtype=torch.int64, device=dev),
         max_pos=max(pos) if pos else 0,
         keys=keys,
+        req_len_host=[c + n for c, n in zip(cb, nt)],
+        decode_host=dec,
     )
 
 

@@ -16,8 +16,9 @@ Binding table (switching an op from INTERIM to the real module is the one marked
 
     deterministic_topk, quant_act, Fp8Weight, fp8_linear, fp8_gemm,
     silu_mul_quant_fp8, mhc_pre, mhc_post, kv cache write/gather      -> zerodiff.ops.*          (real)
-    rms_norm, bf16_gemm, router_gemm, token_logprobs, sparse_attention,
-    indexer scores + FP8 index-key cache, route                        -> zerodiff.model.interim (INTERIM)
+    CUDA: rms_norm, bf16_gemm, router_gemm, token_logprobs, sparse_mla_attention (workspace read path),
+          indexer_topk + FP8 index-key cache, moe.route, moe.moe_experts -> zerodiff.ops.*     (real)
+    CPU:  the same ops as exact-structure pure torch                   -> zerodiff.model.interim (INTERIM)
 
 Training (autograd)
 -------------------
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 
 from . import interim as _I
 from .detmath import det_exp, tree_sum
+from . import baseline_cuda as _BC
 
 # ---- bindings: consistent mode ------------------------------------------------------------------------
 from zerodiff.ops.topk import deterministic_topk  # real
@@ -97,26 +99,34 @@ def route(logits, k, *, bias=None, routed_scale=1.0, topk_fn=None):
 INTERIM_OPS = ("CPU only: rms_norm, bf16_gemm, router_gemm, token_logprobs, sparse_attention, indexer scores "
                "+ FP8 index-key cache, route (exact-structure pure torch, zerodiff.model.interim)",
                "CPU only: fp8_gemm via a float64 block fast path bit-identical to zerodiff.reference.fp8_gemm",
-               "all devices: MoE dispatch/combine composed in zerodiff.model.ops from the real fp8_linear / "
-               "silu_mul_quant_fp8 / fp8_gemm (zerodiff.ops.moe.moe_experts not wired yet)")
+               "CPU only: MoE routed experts through per-slot grouped reference GEMMs (CUDA: "
+               "zerodiff.ops.moe.moe_experts, masked layout in decode graphs, contiguous elsewhere)")
 
+#: The frozen baseline (negative control and throughput reference), per op. CUDA rows are the fast stock paths
+#: of DESIGN.md's baseline table (zerodiff.model.baseline_cuda); CPU rows are torch stand-ins for CI only.
 BASELINE_CHOICE = {
-    "fp8 linear": "rollout: BF16 F.linear (cuBLAS on CUDA) with a cached BF16 dequantised copy of the FP8 weight, "
-                  "BF16 activation (no act quant); training: FP32 matmul of BF16 activation with dequantised weight",
-    "moe experts": "rollout: per-expert BF16 F.linear on cached dequantised weights, stock SiLU*mul -> FP8 group "
-                   "quant -> dequant; training: FP32 swiglu, no FP8",
-    "router": "rollout: BF16 F.linear then .float(); training: FP32 F.linear",
+    "fp8 linear": "rollout CUDA: stock per-token-group FP8 act quant (1x128, amax/448; one fused kernel) + DeepGEMM "
+                  "fp8_gemm_nt (M-dependent kernel choice allowed); CPU: BF16 F.linear on a cached dequantised "
+                  "copy; training: FP32 matmul of the BF16 activation with the dequantised weight",
+    "moe experts": "rollout CUDA: DeepGEMM m_grouped_fp8_gemm_nt_masked in captured decode graphs (capacity = padded "
+                   "batch), _contiguous (128-aligned) in eager steps, stock act quant, stock BF16 SiLU*mul -> group "
+                   "quant, FP32 combine as one (y * w).sum(1); CPU: per-expert BF16 F.linear; training: FP32 "
+                   "swiglu on dequantised weights, no FP8",
+    "router": "stock FP32 F.linear (both sides)",
     "expert / DSA top-k": "torch.topk (both sides)",
-    "silu*mul": "rollout: BF16 F.silu(g) * u (two roundings) then stock group quant; training: FP32 swiglu, no FP8",
-    "attention": "rollout: prefill FP32 torch softmax over the FP8-cache workspace, decode a torch split-K "
-                 "(batch-size dependent split count) variant with BF16 probabilities (NOT FlashMLA's FP8 decode "
-                 "kernel yet); training: dense FP32 attention over the fresh BF16 K/V (never through FP8) masked "
-                 "to the selected positions",
+    "silu*mul": "rollout: BF16 F.silu(g) * u (two roundings) then the stock group quant; training: FP32 swiglu, no FP8",
+    "attention": "rollout CUDA: decode tokens -> FlashMLA flash_mla_with_kvcache (FP8 sparse decode, its split-KV "
+                 "scheduler; one metadata per layer and padded batch in captured graphs), prefill tokens -> torch "
+                 "dequant of the requests' FP8 cache + FlashMLA flash_mla_sparse_fwd; CPU: FP32 softmax prefill, "
+                 "torch split-K decode with a batch-size dependent split; training: dense FP32 attention over "
+                 "the fresh BF16 K/V (never through FP8) masked to the selected positions",
     "DSA indexer": "same scores as the consistent path (CUDA: zerodiff.ops.indexer.index_scores; CPU: interim), "
                    "then torch.topk",
-    "mHC": "rollout: zerodiff.ops.mhc.mhc_pre_split_baseline (split count from the token count); "
-           "training: mhc_pre_torch_eager",
+    "mHC": "rollout CUDA: zerodiff.ops.mhc.mhc_pre_split_baseline gemm=auto (DeepGEMM tf32_hc_prenorm_gemm as "
+           "vLLM) with the batch-size split heuristic; CPU: same with torch GEMM; training: mhc_pre_torch_eager",
     "rms norm / log-softmax / lm head": "stock torch FP32 ops (shape-dependent reductions)",
+    "cuda graphs": "same policy as the consistent mode: pure-decode steps replay graphs captured per padded "
+                   "batch size, mixed steps eager",
 }
 
 _CPU_CHUNK = 16
@@ -290,6 +300,17 @@ class ConsistentOps:
     def k_indexer(self, q, w, kq, ks, lengths):
         return indexer_scores(q, w, kq, ks, lengths)
 
+    def k_attention_visible(self, q, kv_nope, k_rope, cache, layer, step, sel, sm_scale):
+        """The attention value: CUDA -> ``zerodiff.ops.sparse_attention.sparse_mla_attention`` (THE read path:
+        gather_kv into a per-row BF16 workspace in fixed 256-row chunks, then sparse_attention with its
+        verified default backend); CPU -> the same two steps on the whole step."""
+        if _cuda(q):
+            cfg = self.cfg
+            return _sa_op.sparse_mla_attention(q, cache.kv[layer], step.block_table, step.slot, sel, sm_scale,
+                                               d_nope=cfg.d_latent, d_rope=cfg.d_rope, check=cache.check)[0]
+        ws = cache.gather(layer, step, sel)
+        return self.k_attention(q, ws, sel, sm_scale, step, (kv_nope, k_rope))
+
     def k_attention(self, q, ws, sel, sm_scale, step, kv_fresh):
         """q [T, h, dqk] bf16; ws [T, K, dqk] workspace gathered from the FP8 cache; sel [T, K]."""
         idx = workspace_indices(sel)
@@ -408,8 +429,7 @@ class ConsistentOps:
         cfg = self.cfg
         sm_scale = 1.0 / math.sqrt(cfg.d_qk)
         with torch.no_grad():
-            ws = cache.gather(layer, step, sel)
-            v = self.k_attention(q, ws, sel, sm_scale, step, (kv_nope, k_rope))
+            v = self.k_attention_visible(q, kv_nope, k_rope, cache, layer, step, sel, sm_scale)
 
         def gfn():
             # dense masked form of the same attention (the selection is a mask over this step's tokens): no
@@ -450,19 +470,39 @@ class ConsistentOps:
             return _I.fp8_gemm_blocks(q, s, w2.q, w2.scale)
         return fp8_gemm(q, s, w2.q, w2.scale)
 
+    def k_moe_visible(self, x, wts, ids, w13: Fp8Weight, w2: Fp8Weight, s13: Fp8Weight, s2: Fp8Weight):
+        """MoE block value: routed experts combined in FP32 in slot order + shared expert in FP32, one rounding.
+        CUDA: ``zerodiff.ops.moe.moe_experts`` - masked layout with the static capacity T (the padded graph
+        batch) while capturing / emulating CUDA-graph decode (``graph_safe``), contiguous otherwise (eager
+        rollout steps and training); the contract makes a token's value the same in both. CPU: per-slot
+        grouped reference GEMMs (:meth:`k_experts`)."""
+        if x.device.type == "cuda":
+            layout = "masked" if self.graph_safe else "contiguous"
+            routed = _moe_op.moe_experts(x, wts, ids, _moe_op.MoEWeights(w13, w2), layout=layout,
+                                         capacity=x.shape[0] if self.graph_safe else None)
+        else:
+            routed = self._routed_generic(x, wts, ids, w13, w2)
+        sh = self._expert_visible(x, s13, s2).float()
+        return (routed + sh).to(torch.bfloat16)
+
+    def _routed_generic(self, x, wts, ids, w13, w2):
+        """fp32 [T, H]: k_experts on the (token, slot) rows, combined in slot order."""
+        T, k = ids.shape
+        xr = x.unsqueeze(1).expand(T, k, x.shape[1]).reshape(T * k, x.shape[1])
+        slot_out = self.k_experts(xr, w13, w2, ids.long().reshape(-1)).view(T, k, x.shape[1])
+        acc = wts[:, 0:1] * slot_out[:, 0].float()
+        for j in range(1, k):
+            acc = acc + wts[:, j: j + 1] * slot_out[:, j].float()
+        return acc
+
     def k_experts(self, xr, w13: Fp8Weight, w2: Fp8Weight, row_expert):
-        """Routed experts on rows [R, H] (row r uses expert row_expert[r]) -> bf16 [R, H]."""
+        """Routed experts on rows [R, H] (row r uses expert row_expert[r]) -> bf16 [R, H] (CPU path; eager)."""
         if xr.device.type == "cpu":  # one grouped call, bit-identical to the per-expert reference
             aq, as_ = quant_act(xr, backend="reference")
             h = _I.fp8_gemm_blocks(aq, as_, w13.q, w13.scale, row_expert=row_expert)
             q, s = self.k_swiglu_quant(h)
             return _I.fp8_gemm_blocks(q, s, w2.q, w2.scale, row_expert=row_expert)
         out = torch.zeros(xr.shape[0], w2.q.shape[1], dtype=torch.bfloat16, device=xr.device)
-        if self.graph_safe:  # CUDA-graph decode: every expert on every row, keep the row's own (row-invariant GEMMs)
-            for e in range(w13.q.shape[0]):
-                y = self._expert_visible(xr, Fp8Weight(w13.q[e], w13.scale[e]), Fp8Weight(w2.q[e], w2.scale[e]))
-                out = torch.where((row_expert == e)[:, None], y, out)
-            return out
         for e in torch.unique(row_expert).tolist():
             rr = (row_expert == e).nonzero(as_tuple=True)[0]
             out[rr] = self._expert_visible(xr[rr], Fp8Weight(w13.q[e], w13.scale[e]), Fp8Weight(w2.q[e], w2.scale[e]))
@@ -473,13 +513,7 @@ class ConsistentOps:
         T, k = ids.shape
         idl = ids.long()
         with torch.no_grad():
-            xr = x.unsqueeze(1).expand(T, k, x.shape[1]).reshape(T * k, x.shape[1])
-            slot_out = self.k_experts(xr, e13.dep, e2.dep, idl.reshape(-1)).view(T, k, x.shape[1])
-            acc = wts[:, 0:1] * slot_out[:, 0].float()
-            for j in range(1, k):
-                acc = acc + wts[:, j: j + 1] * slot_out[:, j].float()
-            sh = self._expert_visible(x, s13.dep, s2.dep).float()
-            v = (acc + sh).to(torch.bfloat16)
+            v = self.k_moe_visible(x, wts, ids, e13.dep, e2.dep, s13.dep, s2.dep)
 
         def gfn():
             xg = self.g(x)
@@ -544,11 +578,62 @@ class BaselineRolloutOps(ConsistentOps):
     name = "baseline"
     side = "rollout"
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self._mla_meta: dict = {}  # (layer, padded batch) -> FlashMLA scheduler metadata of a captured decode graph
+
     def k_rms_norm(self, x, w):
         return F.rms_norm(x.float(), (x.shape[-1],), w.float(), self.cfg.rms_eps).to(torch.bfloat16)
 
     def k_fp8_linear(self, x, w):
+        if x.is_cuda:  # stock group quant + DeepGEMM fp8_gemm_nt
+            return _BC.fp8_linear(x, w, _deq_bf16_cached)
         return F.linear(x, _deq_bf16_cached(w.q, w.scale))
+
+    def k_fp8_down(self, q, s, h, w2):
+        if q.is_cuda:
+            from zerodiff.model.baseline_cuda import _need
+
+            out = torch.empty((q.shape[0], w2.q.shape[0]), dtype=torch.bfloat16, device=q.device)
+            if q.shape[0]:
+                _need("deepgemm").fp8_gemm_nt((q, s.contiguous()), (w2.q, w2.scale), out, disable_ue8m0_cast=True)
+            return out
+        return super().k_fp8_down(q, s, h, w2)
+
+    def k_moe_visible(self, x, wts, ids, w13, w2, s13, s2):
+        if not x.is_cuda:
+            return super().k_moe_visible(x, wts, ids, w13, w2, s13, s2)
+        routed = _BC.moe_routed(x, wts, ids, w13, w2, graph=self.graph_safe)
+        sh = self._expert_visible(x, s13, s2).float()
+        return (routed + sh).to(torch.bfloat16)
+
+    def k_attention_visible(self, q, kv_nope, k_rope, cache, layer, step, sel, sm_scale):
+        if not q.is_cuda:
+            return super().k_attention_visible(q, kv_nope, k_rope, cache, layer, step, sel, sm_scale)
+        cfg = self.cfg
+        bs = cache.block_size
+        if getattr(step, "pure_decode", False):  # captured decode graph: one scheduler metadata per (layer, S)
+            key = (layer, q.shape[0])
+            if key not in self._mla_meta:
+                self._mla_meta[key] = _BC._need("flashmla").get_mla_metadata()[0]
+            return _BC.flashmla_decode(q, cache.kv[layer], _BC.cache_slots(step, sel, bs), sm_scale, cfg.d_latent,
+                                       self._mla_meta[key])
+        dec = step.decode_host or []
+        T = q.shape[0]
+        if len(dec) == T:  # eager pure-decode step
+            return _BC.flashmla_decode(q, cache.kv[layer], _BC.cache_slots(step, sel, bs), sm_scale, cfg.d_latent)
+        if not dec:
+            return _BC.flashmla_prefill(q, cache.kv[layer], step, sel, sm_scale, cfg.d_latent, cfg.d_rope, bs)
+        # mixed step: decode tokens through the decode kernel, the others through the prefill path (as vLLM)
+        out = torch.empty(T, q.shape[1], cfg.d_latent, dtype=torch.bfloat16, device=q.device)
+        di = torch.tensor(dec, dtype=torch.int64, device=q.device)
+        dset = set(dec)
+        pi = torch.tensor([i for i in range(T) if i not in dset], dtype=torch.int64, device=q.device)
+        out[di] = _BC.flashmla_decode(q[di], cache.kv[layer], _BC.cache_slots(step, sel[di], bs, rows=di), sm_scale,
+                                      cfg.d_latent)
+        out[pi] = _BC.flashmla_prefill(q[pi], cache.kv[layer], step, sel[pi], sm_scale, cfg.d_latent, cfg.d_rope, bs,
+                                       rows=pi)
+        return out
 
     def _expert_bf16(self, x, w13, w2):
         h = F.linear(x, w13)
@@ -560,11 +645,19 @@ class BaselineRolloutOps(ConsistentOps):
         return F.linear(x, w).to(out_dtype)
 
     def k_router(self, x, w):
-        return F.linear(x, w).float()
+        return F.linear(x.float(), w.float())  # stock FP32 router GEMM (shape-dependent cuBLAS/CPU kernel)
 
     def k_mhc_pre(self, X, fn, scale, base):
         from zerodiff.ops.mhc import mhc_pre_split_baseline
 
+        if X.is_cuda:  # vLLM's path: DeepGEMM tf32_hc_prenorm_gemm with the batch-size split heuristic
+            info: dict = {}
+            r = mhc_pre_split_baseline(X, fn, scale, base, sinkhorn_iters=self.cfg.sinkhorn_iters,
+                                       rms_eps=self.cfg.rms_eps, gemm="auto", epilogue="auto", info=info)
+            _BC.CHOICES.setdefault(("mhc pre",), f"mhc_pre_split_baseline: gemm {info.get('gemm')}, epilogue "
+                                   f"{info.get('epilogue')}" + (f" (DeepGEMM error: {info['deepgemm_error']})"
+                                                                if info.get("deepgemm_error") else ""))
+            return r
         return mhc_pre_split_baseline(X, fn, scale, base, sinkhorn_iters=self.cfg.sinkhorn_iters,
                                       rms_eps=self.cfg.rms_eps, n_sms=132, gemm="torch", epilogue="torch")
 
@@ -592,14 +685,10 @@ class BaselineRolloutOps(ConsistentOps):
         w = sc.gather(1, ids)
         return w / w.sum(-1, keepdim=True) * scale, ids.to(torch.int32)
 
-    def k_experts(self, xr, w13, w2, row_expert):
+    def k_experts(self, xr, w13, w2, row_expert):  # CPU baseline (CUDA: k_moe_visible -> DeepGEMM grouped)
         out = torch.zeros(xr.shape[0], w2.q.shape[1], dtype=torch.bfloat16, device=xr.device)
         W13 = _deq_bf16_cached(w13.q, w13.scale)
         W2 = _deq_bf16_cached(w2.q, w2.scale)
-        if self.graph_safe:
-            for e in range(w13.q.shape[0]):
-                out = torch.where((row_expert == e)[:, None], self._expert_bf16(xr, W13[e], W2[e]), out)
-            return out
         for e in torch.unique(row_expert).tolist():
             rr = (row_expert == e).nonzero(as_tuple=True)[0]
             out[rr] = self._expert_bf16(xr[rr], W13[e], W2[e])
@@ -654,6 +743,17 @@ class BaselineTrainOps(BaselineRolloutOps):
 
     side = "train"
 
+    def k_fp8_down(self, q, s, h, w2):
+        return ConsistentOps.k_fp8_down(self, q, s, h, w2)  # unused: _expert_visible is overridden
+
+    def k_moe_visible(self, x, wts, ids, w13, w2, s13, s2):
+        return ConsistentOps.k_moe_visible(self, x, wts, ids, w13, w2, s13, s2) if not x.is_cuda else \
+            (self._routed_generic(x, wts, ids, w13, w2) + self._expert_visible(x, s13, s2).float()).to(torch.bfloat16)
+
+    def k_attention_visible(self, q, kv_nope, k_rope, cache, layer, step, sel, sm_scale):
+        # training-style: dense attention over the fresh BF16 K/V of this step (never through the FP8 cache)
+        return self.k_attention(q, None, sel, sm_scale, step, (kv_nope, k_rope))
+
     def k_fp8_linear(self, x, w):
         return (x.float() @ _deq(w).t()).to(torch.bfloat16)
 
@@ -684,12 +784,32 @@ class BaselineTrainOps(BaselineRolloutOps):
 
     def k_attention(self, q, ws, sel, sm_scale, step, kv_fresh):
         kv_nope, k_rope = kv_fresh
+        if q.is_cuda:  # dense masked form in query chunks (a [T, K, d] gather would not fit at the h200 shapes)
+            return self._dense_masked(q, kv_nope, k_rope, sel, sm_scale, step)
         flat = step.flat_index(sel)
         valid = flat >= 0
         kv = torch.cat([kv_nope, k_rope], -1).float()[flat.clamp(min=0).long()]
         s = torch.einsum("thd,tkd->thk", q.float(), kv) * sm_scale
         s = s.masked_fill(~valid[:, None, :], float("-inf"))
         return torch.einsum("thk,tkd->thd", torch.softmax(s, -1), kv[..., : self.cfg.d_latent]).to(torch.bfloat16)
+
+
+    def _dense_masked(self, q, kv_nope, k_rope, sel, sm_scale, step, chunk=1024):
+        T = q.shape[0]
+        flat = step.flat_index(sel)
+        kv = torch.cat([kv_nope, k_rope], -1).float()
+        out = torch.empty(T, q.shape[1], self.cfg.d_latent, dtype=torch.bfloat16, device=q.device)
+        for a in range(0, T, chunk):
+            b = min(T, a + chunk)
+            f = flat[a:b]
+            mask = torch.zeros(b - a, T + 1, dtype=torch.bool, device=q.device)
+            mask.scatter_(1, torch.where(f >= 0, f, torch.full_like(f, T)), True)
+            mask = mask[:, :T]
+            s = torch.einsum("thd,sd->ths", q[a:b].float(), kv) * sm_scale
+            s = s.masked_fill(~mask[:, None, :], float("-inf"))
+            p = torch.softmax(s, -1).nan_to_num(0.0)
+            out[a:b] = torch.einsum("ths,sd->thd", p, kv[:, : self.cfg.d_latent]).to(torch.bfloat16)
+        return out
 
 
 def make_ops(mode: str, side: str, cfg):
