@@ -342,6 +342,95 @@ def test_split_row_blocking_does_not_change_bits(seeded, monkeypatch):
     assert _same(whole, blocked)
 
 
+# ------------------------------------------------------------------ split-kernel variants (performance work)
+OTHER_BITS_VARIANTS = [v for v in ("pf_bn2x", "pf_chunk2x") if v in sa.SPLIT_VARIANTS]
+
+
+def test_split_variant_configs_fixed_per_shape_and_fail_closed():
+    import inspect
+
+    assert sa.SPLIT_VARIANT == "default", "the shipped variant is the one verified on the H200"
+    assert sa.split_variant_config("default", 512, 64) == sa.split_config(512, 64)
+    assert set(inspect.signature(sa.split_variant_config).parameters) == {"variant", "d_nope", "d_rope"}
+    for v in sa.SPLIT_VARIANTS:
+        for dims in ((512, 64), (128, 16)):
+            cfg = sa.split_variant_config(v, *dims)
+            assert cfg == sa.split_variant_config(v, *dims) and cfg["CHUNK"] % cfg["BLOCK_N"] == 0, (v, dims)
+            assert dims[0] % cfg.get("MERGE_DV", dims[0]) == 0
+    for v in sa.SPLIT_SAME_BITS_AS_DEFAULT:  # same tiles as default: only schedule / merge grid differ
+        a, b = sa.split_variant_config(v), sa.split_config()
+        assert all(a[k] == b[k] for k in ("BLOCK_H", "BLOCK_N", "CHUNK", "num_warps", "MERGE_BH")), v
+    g = torch.Generator().manual_seed(0)
+    cache, bt, pos, req, q = _split_inputs(g, lens=(20,), W=8, H=4, adversarial=False)
+    with pytest.raises(ValueError, match="variant 'nope' unknown"):
+        sa.sparse_mla_attention_fp8_split(q[:1], cache, bt, req[:1], pos[:1], 0.1, **SMALL, variant="nope")
+    with pytest.raises(ValueError, match="split_variant"):
+        sa.sparse_mla_attention(q[:1], cache, bt, req[:1], pos[:1], 0.1, **SMALL, split_variant="pf")
+    with pytest.raises(ValueError, match="MERGE_DV"):
+        sa.sparse_mla_attention_fp8_split(q[:1], cache, bt, req[:1], pos[:1], 0.1, **SMALL,
+                                          _config=dict(sa.split_variant_config("pf", 128, 16), MERGE_DV=48))
+    raw = torch.empty(cache.numel() + 1, dtype=torch.uint8)
+    odd = raw[1:].view(cache.shape)  # a cache base off 16-byte alignment: the pipelined loads' hints would lie
+    odd.copy_(cache)
+    with pytest.raises(ValueError, match="16-byte"):
+        sa.sparse_mla_attention_fp8_split(q[:1], odd, bt, req[:1], pos[:1], 0.1, **SMALL, variant="pf")
+
+
+def test_split_pipelined_variant_same_bits_as_default(seeded):
+    """"pf" (hand-pipelined loads, column-split merge) runs the default's arithmetic in the default's order: the
+    same bits on adversarial rows (chunk boundaries, empty chunks, -1 interleaved, lonely row, exact ties, +-0,
+    denormals, sink) and the same NaN poisoning of an unchecked bad slot. (pf_s2 differs from pf only by
+    num_stages, which the interpreter ignores: checked on the GPU.) The default's own victim-in-batch test
+    therefore covers pf here; the GPU test re-checks both claims on the compiled kernels."""
+    g = seeded()
+    cache, bt, pos, req, q = _split_inputs(g)
+    rows = torch.tensor([89, 60, 3, 120, 100, 0, 44])
+    pos, req, q = pos[rows].clone(), req[rows].clone(), q[rows].contiguous()
+    pos[0, 32:64] = -1
+    pos[1, 1::3] = -1
+    pos[2, :] = -1
+    pos[3, 40:44] = pos[3, 0]
+    pos[4, 64:] = -1
+    pos[6, 5] = 12 * 8 + 3  # past request 0's table: unchecked, the row is NaN-poisoned
+    sink = torch.linspace(-2, 2, 16)
+    kw = dict(attn_sink=sink, check=False, **SMALL)
+    base = sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, 0.13, **kw)
+    assert bool(base[0][6].isnan().all()) and not bool(base[0][:6].isnan().any())
+    pf = sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, 0.13, variant="pf", **kw)
+    assert _same(base, pf)
+    via = sa.sparse_mla_attention(q[:3], cache, bt, req[:3], pos[:3], 0.13, attn_sink=sink, split_variant="pf", **SPLIT)
+    assert _same(via, (base[0][:3], base[1][:3]))
+
+
+@pytest.mark.parametrize("variant", OTHER_BITS_VARIANTS)
+def test_split_other_tile_variants_reference_victim_prefill_and_control(seeded, variant):
+    """Variants with other tiles (other bits than default) keep the contract on their own: close to the float64
+    reference; a row alone == in a batch at the front and the end == inside a prefill chunk of its request; and
+    their bits differ from the default's (so a switch is a deliberate, all-sides change)."""
+    g = seeded()
+    cache, bt, pos, req, q = _split_inputs(g, lens=(70, 40), W=72)
+    sink = torch.linspace(-1, 1, 16)
+    kw = dict(attn_sink=sink, split_variant=variant, **SPLIT)
+    victim = 69
+    alone = sa.sparse_mla_attention(q[victim:victim + 1], cache, bt, req[victim:victim + 1], pos[victim:victim + 1],
+                                    0.2, **kw)
+    ws = kc.gather_kv(cache, bt, req[victim:victim + 1], pos[victim:victim + 1], **SMALL, backend="reference")
+    ro, rl = sparse_attention_ref(q[victim:victim + 1], ws.view(-1, 144), kc.workspace_indices(pos[victim:victim + 1]),
+                                  0.2, d_v=128, attn_sink=sink, return_fp64=True)
+    assert torch.allclose(alone[0].double(), ro, atol=2e-2, rtol=2e-2)
+    assert torch.allclose(alone[1].double(), rl, atol=1e-4, rtol=1e-5)
+    fillers = torch.tensor([100, 3, 75, 50])
+    for where in (0, 4):
+        rows = torch.cat([fillers[:where], torch.tensor([victim]), fillers[where:]])
+        o, l = sa.sparse_mla_attention(q[rows], cache, bt, req[rows], pos[rows], 0.2, **kw)
+        assert torch.equal(_bits(o[where]), _bits(alone[0][0])) and torch.equal(_bits(l[where]), _bits(alone[1][0]))
+    pre = sa.sparse_mla_attention(q[66:70], cache, bt, req[66:70], pos[66:70], 0.2, **kw)
+    assert _same((pre[0][3:4], pre[1][3:4]), alone)
+    default = sa.sparse_mla_attention(q[victim:victim + 1], cache, bt, req[victim:victim + 1], pos[victim:victim + 1],
+                                      0.2, attn_sink=sink, **SPLIT)
+    assert not torch.equal(_bits(default[0]), _bits(alone[0])), f"{variant} gave the default's bits: control is void"
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 GPU_H, GPU_TOPK = 64, 2048
 
@@ -590,3 +679,84 @@ def test_gpu_split_prefill_rows_equal_decode_rows_repeated():
         sel = torch.randperm(T, device="cuda")[:64]
         mixed = sa.sparse_mla_attention(qq[sel], cache, bt, req[sel], pp[sel], sc, backend="triton_fp8_split")
         assert torch.equal(mixed[0], pre[0][sel]) and torch.equal(mixed[1], pre[1][sel]), rnd
+
+
+# ---------------------------------------------------------------------- GPU: split-kernel variants (one pass)
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [v for v in sa.SPLIT_VARIANTS if v != "default"])
+def test_gpu_split_variant_invariance_and_bits(variant):
+    """Each split variant on the compiled kernels: close to the float64 reference; victim alone == in batches at
+    the dispatch boundaries (front / middle / end); prefill rows == decode rows == a shuffled batch; CUDA graph
+    replay == eager (10 rounds); for SPLIT_SAME_BITS_AS_DEFAULT variants, bitwise equal to "default" on every row
+    (otherwise: reported, not asserted, and the bits must differ from default's only through the tiles)."""
+    B = 65
+    cache, bt, pos, q = _gpu_setup(B, 4096, seed=21)
+    pos[1, 256:512] = -1
+    pos[2, 1::5] = -1
+    pos[3, :] = -1
+    sc = 1 / math.sqrt(576)
+    sink = torch.linspace(-1, 1, GPU_H, device="cuda")
+    req = torch.arange(B, dtype=torch.int32, device="cuda")
+    kw = dict(attn_sink=sink, backend="triton_fp8_split", split_variant=variant)
+    full = sa.sparse_mla_attention(q, cache, bt, req, pos, sc, **kw)
+    ws = kc.gather_kv(cache, bt, req[:6], pos[:6])
+    ro, rl = sparse_attention_ref(q[:6].cpu(), ws.view(-1, 576).cpu(), kc.workspace_indices(pos[:6]).cpu(), sc,
+                                  attn_sink=sink.cpu(), return_fp64=True)
+    assert torch.allclose(full[0][:6].cpu().double(), ro, atol=2e-2, rtol=2e-2)
+    fin = torch.isfinite(rl)
+    assert torch.allclose(full[1][:6].cpu().double()[fin], rl[fin], atol=1e-3, rtol=1e-4)
+    default = sa.sparse_mla_attention(q, cache, bt, req, pos, sc, attn_sink=sink, backend="triton_fp8_split")
+    same = torch.equal(full[0].view(torch.int16), default[0].view(torch.int16)) and torch.equal(full[1], default[1])
+    if variant in sa.SPLIT_SAME_BITS_AS_DEFAULT:
+        n = int((full[0].view(torch.int16) != default[0].view(torch.int16)).sum())
+        assert same, f"{variant}: {n} values differ from the default variant (claimed identical arithmetic)"
+    else:
+        print(f"{variant}: bitwise equal to default: {same}")
+    for victim in (0, 2, 64):
+        alone = sa.sparse_mla_attention(q[victim:victim + 1], cache, bt, req[victim:victim + 1],
+                                        pos[victim:victim + 1], sc, **kw)
+        assert torch.equal(alone[0][0], full[0][victim]) and torch.equal(alone[1][0], full[1][victim]), victim
+        others = torch.tensor([r for r in range(B) if r != victim], device="cuda")
+        for nb in (2, 16, 17, 33, 64, 65):
+            for where in sorted({0, nb // 2, nb - 1}):
+                f = others[: nb - 1]
+                rows = torch.cat([f[:where], torch.tensor([victim], device="cuda"), f[where:]])
+                o, l = sa.sparse_mla_attention(q[rows], cache, bt, req[rows], pos[rows], sc, **kw)
+                assert torch.equal(o[where], alone[0][0]) and torch.equal(l[where], alone[1][0]), (victim, nb, where)
+    # prefill rows of one request == the same rows as decode rows == a shuffled batch of them
+    T = 256
+    base_pos = pos[0]
+    lim = 4096 - T + torch.arange(T, device="cuda")
+    skip = (base_pos[None, :] > lim[:, None]).sum(1)
+    j = torch.arange(GPU_TOPK, device="cuda")[None, :] + skip[:, None]
+    pp = torch.where(j < GPU_TOPK, base_pos[j.clamp(max=GPU_TOPK - 1)], torch.full_like(j, -1)).to(torch.int32)
+    qq = (torch.randn(T, GPU_H, 576, device="cuda") * 0.5).to(torch.bfloat16)
+    r0 = torch.zeros(T, dtype=torch.int32, device="cuda")
+    pre = sa.sparse_mla_attention(qq, cache, bt, r0, pp, sc, **kw)
+    for t in (0, 100, 255):
+        d = sa.sparse_mla_attention(qq[t : t + 1], cache, bt, r0[:1], pp[t : t + 1], sc, **kw)
+        assert torch.equal(d[0][0], pre[0][t]) and torch.equal(d[1][0], pre[1][t]), t
+    sel = torch.randperm(T, device="cuda")[:33]
+    mixed = sa.sparse_mla_attention(qq[sel], cache, bt, r0[sel], pp[sel], sc, **kw)
+    assert torch.equal(mixed[0], pre[0][sel]) and torch.equal(mixed[1], pre[1][sel])
+    # CUDA graph replay == eager, repeated
+    gkw = dict(kw, check=False)
+    eager = sa.sparse_mla_attention(q, cache, bt, req, pos, sc, **gkw)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            sa.sparse_mla_attention(q, cache, bt, req, pos, sc, **gkw)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        go, gl = sa.sparse_mla_attention(q, cache, bt, req, pos, sc, **gkw)
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(go, eager[0]) and torch.equal(gl, eager[1])
+    assert torch.equal(eager[0], full[0]) and torch.equal(eager[1], full[1])
+    # negative control for the victim checks: the batch-dependent split (another CHUNK) changes these rows' bits
+    cfg = dict(sa.split_variant_config(variant), CHUNK=sa.split_variant_config(variant)["CHUNK"] * 4)
+    other = sa.sparse_mla_attention_fp8_split(q[:8], cache, bt, req[:8], pos[:8], sc, attn_sink=sink, _config=cfg)
+    assert not torch.equal(other[0], full[0][:8]), "another CHUNK gave the same bits: the control proves nothing"
