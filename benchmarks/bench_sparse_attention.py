@@ -16,13 +16,19 @@ decode (one query row per request, 64 heads, d_qk 576, d_v 512, top-k 2048, 656-
 prefill (T rows of one request, each attending to its own causal top-k):
   stock     = vLLM-style: dequantise the request's cache with torch ops, then ``flash_mla_sparse_fwd``
   ours      = the split kernel; workspace_ms = ``sparse_mla_attention(backend="flashmla", workspace="per_request")``
---sweep (not in --quick): times alternative split configurations (exploration; any change of the shipped
-  config changes bits and must be made for rollout and training together).
+--sweep: times every named split variant (``sa.SPLIT_VARIANTS``: "default" = shipped, "pf" / "pf_s2" = same bits
+  with hand-pipelined 16-byte loads and a column-split merge, "pf_bn2x" / "pf_chunk2x" / "pf_bh2x" = other tiles)
+  against the same stock kernel at B = 1 / 64 / 128 / 256 (graph replay; rows "decode_variant[graph]" with the
+  partial / merge launches timed alone and whether the variant's bits equal default's on these inputs) and in
+  prefill (T = 1024, rows "prefill_variant"); without --quick also the raw tile configs of SWEEP for both the
+  default and the pipelined kernel ("decode_split_sweep[graph]"). Any change of the shipped variant changes
+  bits (except the same-bits ones) and is made for rollout and training together.
 
 --aot (no GPU needed): compiles the split kernels for sm_90a and sm_100a with Triton's AOT path and prints
   registers / spill stack / shared memory per config (how the shipped config was chosen: no spills).
 
 Usage: python benchmarks/bench_sparse_attention.py --json out.json [--quick] [--sweep]
+       (the next GPU session: --json sa_sweep.json --quick --sweep, under 90 s; full: --json sa.json --sweep)
        python benchmarks/bench_sparse_attention.py --aot [--sweep]
 """
 
@@ -42,6 +48,7 @@ from zerodiff.ops import kv_cache as kc  # noqa: E402
 from zerodiff.ops import sparse_attention as sa  # noqa: E402
 
 H, DQK, DV, BS = 64, 576, 512, 64
+QUICK_VARIANTS = ("default", "pf", "pf_bn2x", "pf_chunk2x")  # "default" first: the prefill rows' reference
 STOCK = "flash_mla_with_kvcache (FlashMLA FP8 sparse decode, get_mla_metadata scheduler)"
 SWEEP = [  # (BLOCK_H, BLOCK_N, CHUNK, num_warps, num_stages); the first is the shipped config
     (32, 16, 256, 8, 2),
@@ -219,9 +226,11 @@ def sweep_decode(B, ctx, k, reps, rows):
     err: dict = {}
     stock_ms = safe_ms(graphed(stock_decode_fn(fm, q, cache, slots_of(bt, pos, req), sc)), err, "stock", rep=reps)
     base = sa.split_config(DV, DQK - DV)
-    for bh, bn, chunk, nw, ns in SWEEP:
-        cfg = dict(base, BLOCK_H=bh, BLOCK_N=bn, CHUNK=chunk, num_warps=nw, num_stages=ns)
-        name = f"BH{bh}_BN{bn}_C{chunk}_w{nw}_s{ns}"
+    pf = sa.split_variant_config("pf", DV, DQK - DV)
+    for (bh, bn, chunk, nw, ns), kind in [(c, kd) for c in SWEEP for kd in ("default", "pf")]:
+        b0 = base if kind == "default" else pf
+        cfg = dict(b0, BLOCK_H=bh, BLOCK_N=bn, CHUNK=chunk, num_warps=nw, num_stages=ns)
+        name = f"{kind}_BH{bh}_BN{bn}_C{chunk}_w{nw}_s{ns}"
         e: dict = {}
 
         def fn(cfg=cfg):
@@ -234,6 +243,76 @@ def sweep_decode(B, ctx, k, reps, rows):
             t = float("nan")
         rows.append(row("decode_split_sweep[graph]", f"B={B} ctx={ctx} topk={k} {name}", t, stock_ms, STOCK,
                         config=cfg, errors=(e or err) or None))
+    del cache
+    torch.cuda.empty_cache()
+
+
+def sweep_variants_decode(B, ctx, k, reps, rows, variants):
+    """Every named split variant against the same stock decode call on the same inputs (graph replays)."""
+    fm = backends.flash_mla()
+    cache, bt = make_cache(B, ctx)
+    pos = make_topk(B, ctx, k)
+    req = torch.arange(B, dtype=torch.int32, device="cuda")
+    q = (torch.randn(B, H, DQK, device="cuda") * 0.5).to(torch.bfloat16)
+    sc = 1.0 / math.sqrt(DQK)
+    err: dict = {}
+    stock_ms = safe_ms(stock_decode_fn(fm, q, cache, slots_of(bt, pos, req), sc), err, "stock", rep=reps)
+    ref = sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, sc, check=False, variant="default")
+    for v in variants:
+        cfg = sa.split_variant_config(v, DV, DQK - DV)
+        e: dict = {}
+        out = torch.empty(B, H, DV, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(B, H, dtype=torch.float32, device="cuda")
+
+        def total(v=v, out=out):
+            return sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, sc, check=False, variant=v, out=out)
+
+        def partial(cfg=cfg):
+            return sa._split_partials(q, cache, bt, req, pos, sc, DV, DQK - DV, cfg)
+
+        same = None
+        try:
+            o, l = total()
+            torch.cuda.synchronize()
+            same = bool(torch.equal(o.view(torch.int16), ref[0].view(torch.int16)) and torch.equal(l, ref[1]))
+            parts = partial()
+
+            def merge(parts=parts, cfg=cfg, out=out, lse=lse):
+                return sa._split_merge(parts, None, out, lse, cfg)
+        except Exception as ex:
+            e[v] = f"{type(ex).__name__}: {ex}"[:300]
+            merge = None
+        t = safe_ms(total, e, "total", rep=reps) if not e else float("nan")
+        tp = safe_ms(partial, e, "partial", rep=reps) if not e else float("nan")
+        tm = safe_ms(merge, e, "merge", rep=reps) if merge is not None else float("nan")
+        rows.append(row("decode_variant[graph]", f"B={B} ctx={ctx} topk={k} variant={v}", t, stock_ms, STOCK,
+                        variant=v, split_partial_ms=_r(tp), split_merge_ms=_r(tm), same_bits_as_default=same,
+                        config=cfg, errors=(e or err) or None))
+    del cache
+    torch.cuda.empty_cache()
+
+
+def sweep_variants_prefill(ctx, T, k, reps, rows, variants):
+    """Every named split variant on a prefill-shaped call (T rows of one request, causal top-k)."""
+    cache, bt = make_cache(1, ctx, gen_seed=1)
+    base = make_topk(1, ctx, k)[0]
+    lim = ctx - T + torch.arange(T, device="cuda")
+    skip = (base[None, :] > lim[:, None]).sum(1)
+    j = torch.arange(k, device="cuda")[None, :] + skip[:, None]
+    pos = torch.where(j < k, base[j.clamp(max=k - 1)], torch.full_like(j, -1)).to(torch.int32)
+    req = torch.zeros(T, dtype=torch.int32, device="cuda")
+    q = (torch.randn(T, H, DQK, device="cuda") * 0.5).to(torch.bfloat16)
+    sc = 1.0 / math.sqrt(DQK)
+    times = {}
+    for v in variants:
+        e: dict = {}
+
+        def fn(v=v):
+            return sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, sc, check=False, variant=v)
+
+        times[v] = safe_ms(fn, e, v, rep=reps)
+        rows.append(row("prefill_variant", f"T={T} ctx={ctx} topk={k} variant={v}", times[v], times["default"],
+                        "our default split variant (same call)", variant=v, errors=e or None))
     del cache
     torch.cuda.empty_cache()
 
@@ -305,24 +384,38 @@ def aot_report(configs):
         return " ".join(x.strip() for x in out.splitlines() if "REG:" in x)[:60]
 
     for cfg in configs:
+        pf = bool(cfg.get("PREFETCH", False))
+        fn = sa._split_partial_pf_kernel if pf else sa._split_partial_kernel
         for cc in (90, 100):
             const = dict(D_V=DV, D_R=DQK - DV, BLOCK_SIZE=BS, BPT=656, BLOCK_H=cfg["BLOCK_H"],
                          BLOCK_N=cfg["BLOCK_N"], CHUNK=cfg["CHUNK"], EXACT=False)
+            if pf:
+                const.update(AL_C=16, AL_S=16, AL_R=16)  # what _pf_alignments gives for 656-byte tokens
             sig = dict(part_sig, **{k: "constexpr" for k in const})
             try:
-                k = triton.compile(ASTSource(fn=sa._split_partial_kernel, signature=sig, constexprs=const),
+                k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                                    target=GPUTarget("cuda", cc, 32),
                                    options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                                                 enable_fp_fusion=False))
-                print(f"partial sm_{cc} {cfg}: {usage(k)} shared={k.metadata.shared}", flush=True)
+                ptx = k.asm["ptx"]
+                print(f"partial{' pf' if pf else ''} sm_{cc} {cfg}: {usage(k)} shared={k.metadata.shared} "
+                      f"wgmma={ptx.count('wgmma.mma_async')} mma.sync={ptx.count('mma.sync')} "
+                      f"ld.v4={ptx.count('ld.global.v4')}", flush=True)
             except Exception as e:
                 print(f"partial sm_{cc} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        mdv = int(cfg.get("MERGE_DV", DV))
         const = dict(D_V=DV, HAS_SINK=True, BLOCK_H=cfg["MERGE_BH"], EXACT=False)
+        mfn = sa._split_merge_kernel
+        if mdv < DV:
+            const["MERGE_DV"] = mdv
+            mfn = sa._split_merge_v_kernel
         sig = dict(merge_sig, **{k: "constexpr" for k in const})
-        k = triton.compile(ASTSource(fn=sa._split_merge_kernel, signature=sig, constexprs=const),
-                           target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=cfg["merge_warps"], enable_fp_fusion=False))
-        print(f"merge   sm_90 MERGE_BH={cfg['MERGE_BH']} warps={cfg['merge_warps']}: {usage(k)}", flush=True)
+        for cc in (90, 100):
+            k = triton.compile(ASTSource(fn=mfn, signature=sig, constexprs=const),
+                               target=GPUTarget("cuda", cc, 32),
+                               options=dict(num_warps=cfg["merge_warps"], enable_fp_fusion=False))
+            print(f"merge   sm_{cc} MERGE_BH={cfg['MERGE_BH']} MERGE_DV={mdv} warps={cfg['merge_warps']}: {usage(k)}",
+                  flush=True)
 
 
 def main():
@@ -332,8 +425,11 @@ def main():
     args = p.parse_args()
     if args.aot:
         base = sa.split_config(DV, DQK - DV)
-        cfgs = [base] + ([dict(base, BLOCK_H=bh, BLOCK_N=bn, CHUNK=c, num_warps=w, num_stages=st)
-                          for bh, bn, c, w, st in SWEEP[1:]] if args.sweep else [])
+        cfgs = [sa.split_variant_config(v, DV, DQK - DV) for v in sa.SPLIT_VARIANTS]
+        if args.sweep:
+            pf = sa.split_variant_config("pf", DV, DQK - DV)
+            cfgs += [dict(b0, BLOCK_H=bh, BLOCK_N=bn, CHUNK=c, num_warps=w, num_stages=st)
+                     for bh, bn, c, w, st in SWEEP[1:] for b0 in (base, pf)]
         aot_report(cfgs)
         return
     if not torch.cuda.is_available():
@@ -355,8 +451,14 @@ def main():
     for c, T in prefill_shapes:
         bench_prefill(c, T, k, reps, rows)
     if args.sweep:
-        for B in (1, 64, 128):
-            sweep_decode(B, 8192, k, reps, rows)
+        # --quick: the likely winners only (pf_s2 and the spilling pf_bh2x cost compile time, see the doc)
+        variants = QUICK_VARIANTS if args.quick else sa.SPLIT_VARIANTS
+        for B in (1, 64, 128) if args.quick else (1, 16, 64, 128, 256):
+            sweep_variants_decode(B, 8192, k, reps, rows, variants)
+        sweep_variants_prefill(8192, 1024, k, reps, rows, variants)
+        if not args.quick:
+            for B in (1, 64, 128):
+                sweep_decode(B, 8192, k, reps, rows)
     write(args.json, "sparse_attention", rows)
 
 
