@@ -290,7 +290,7 @@ def test_cuda_dispatch_branch_runs_on_cpu_through_team_references(monkeypatch):
     p = CPU.replace(rollout=dataclasses.replace(CPU.rollout, prompts_per_step=2))
     rep = RLRun(p, 0, "consistent").run_step()
     assert rep["bitwise_equal"], rep
-    assert not RLRun(p, 0, "baseline").run_step()["bitwise_equal"]
+    # the baseline's CUDA branches need DeepGEMM / FlashMLA: tests/test_e2e_graphsafe.py runs them against fakes
     cfg = CPU.model
     masters = init_masters(cfg, 1)
     reqs = _requests(0, 6, cfg.vocab, rlen=(4, 10))

@@ -35,6 +35,7 @@ from zerodiff.ops.fp8_quant import quant_act
 CHOICES: dict = {}
 _FALLBACK: dict = {}  # key -> reason DeepGEMM was rejected for that shape
 FLASHMLA_HEADS = (64, 128)
+FLASHMLA_DQK = 576
 
 
 class BaselineUnavailable(RuntimeError):
@@ -50,6 +51,10 @@ def _need(which: str):
             f"but it is not importable here ({detail}); install vLLM 0.33.0 or unpack its kernels "
             f"(make kernels-from-wheel / .carry/wheel-kernels.tar.gz) - the baseline never substitutes silently")
     return mod
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def choices_text() -> dict:
@@ -73,7 +78,7 @@ def fp8_linear(x: torch.Tensor, w, deq_bf16) -> torch.Tensor:
     try:
         dg.fp8_gemm_nt((aq, as_), (w.q, w.scale), out, disable_ue8m0_cast=True)
     except Exception as e:  # noqa: BLE001 - shape rejected: recorded substitution (never inside capture)
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             raise
         _FALLBACK[key] = f"{type(e).__name__}: {e}"[:300]
         CHOICES[key] = f"cuBLAS BF16 F.linear on a dequantised copy (DeepGEMM fp8_gemm_nt rejected: {_FALLBACK[key]})"
@@ -109,7 +114,7 @@ def _grouped(dg, a_q, a_s, w, plan, out, key):
             CHOICES.setdefault(key, f"DeepGEMM m_grouped_fp8_gemm_nt_{plan.layout}")
             return out
         except Exception as e:  # noqa: BLE001
-            if torch.cuda.is_current_stream_capturing():
+            if _capturing():
                 raise
             _FALLBACK[key] = f"{type(e).__name__}: {e}"[:300]
             CHOICES[key] = f"zerodiff Triton grouped FP8 GEMM (DeepGEMM rejected: {_FALLBACK[key]})"
@@ -151,9 +156,9 @@ def moe_routed(x: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor, w13, w2, *
 
 # ---- attention ------------------------------------------------------------------------------------------------
 def _check_heads(q):
-    if q.shape[1] not in FLASHMLA_HEADS or q.shape[2] != 576:
+    if q.shape[1] not in FLASHMLA_HEADS or q.shape[2] != FLASHMLA_DQK:
         raise BaselineUnavailable(
-            f"zerodiff baseline: FlashMLA's FP8 kernels need heads in {FLASHMLA_HEADS} and d_qk 576; the model has "
+            f"zerodiff baseline: FlashMLA's FP8 kernels need heads in {FLASHMLA_HEADS} and d_qk {FLASHMLA_DQK}; the model has "
             f"heads={q.shape[1]}, d_qk={q.shape[2]} (use a preset with 64 heads and a 512 + 64 latent)")
 
 

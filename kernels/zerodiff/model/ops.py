@@ -476,7 +476,7 @@ class ConsistentOps:
         batch) while capturing / emulating CUDA-graph decode (``graph_safe``), contiguous otherwise (eager
         rollout steps and training); the contract makes a token's value the same in both. CPU: per-slot
         grouped reference GEMMs (:meth:`k_experts`)."""
-        if x.device.type == "cuda":
+        if _cuda(x):
             layout = "masked" if self.graph_safe else "contiguous"
             routed = _moe_op.moe_experts(x, wts, ids, _moe_op.MoEWeights(w13, w2), layout=layout,
                                          capacity=x.shape[0] if self.graph_safe else None)
@@ -586,12 +586,12 @@ class BaselineRolloutOps(ConsistentOps):
         return F.rms_norm(x.float(), (x.shape[-1],), w.float(), self.cfg.rms_eps).to(torch.bfloat16)
 
     def k_fp8_linear(self, x, w):
-        if x.is_cuda:  # stock group quant + DeepGEMM fp8_gemm_nt
+        if _cuda(x):  # stock group quant + DeepGEMM fp8_gemm_nt
             return _BC.fp8_linear(x, w, _deq_bf16_cached)
         return F.linear(x, _deq_bf16_cached(w.q, w.scale))
 
     def k_fp8_down(self, q, s, h, w2):
-        if q.is_cuda:
+        if _cuda(q):
             from zerodiff.model.baseline_cuda import _need
 
             out = torch.empty((q.shape[0], w2.q.shape[0]), dtype=torch.bfloat16, device=q.device)
@@ -601,14 +601,14 @@ class BaselineRolloutOps(ConsistentOps):
         return super().k_fp8_down(q, s, h, w2)
 
     def k_moe_visible(self, x, wts, ids, w13, w2, s13, s2):
-        if not x.is_cuda:
+        if not _cuda(x):
             return super().k_moe_visible(x, wts, ids, w13, w2, s13, s2)
         routed = _BC.moe_routed(x, wts, ids, w13, w2, graph=self.graph_safe)
         sh = self._expert_visible(x, s13, s2).float()
         return (routed + sh).to(torch.bfloat16)
 
     def k_attention_visible(self, q, kv_nope, k_rope, cache, layer, step, sel, sm_scale):
-        if not q.is_cuda:
+        if not _cuda(q):
             return super().k_attention_visible(q, kv_nope, k_rope, cache, layer, step, sel, sm_scale)
         cfg = self.cfg
         bs = cache.block_size
@@ -747,8 +747,7 @@ class BaselineTrainOps(BaselineRolloutOps):
         return ConsistentOps.k_fp8_down(self, q, s, h, w2)  # unused: _expert_visible is overridden
 
     def k_moe_visible(self, x, wts, ids, w13, w2, s13, s2):
-        return ConsistentOps.k_moe_visible(self, x, wts, ids, w13, w2, s13, s2) if not x.is_cuda else \
-            (self._routed_generic(x, wts, ids, w13, w2) + self._expert_visible(x, s13, s2).float()).to(torch.bfloat16)
+        return (self._routed_generic(x, wts, ids, w13, w2) + self._expert_visible(x, s13, s2).float()).to(torch.bfloat16)
 
     def k_attention_visible(self, q, kv_nope, k_rope, cache, layer, step, sel, sm_scale):
         # training-style: dense attention over the fresh BF16 K/V of this step (never through the FP8 cache)

@@ -7,8 +7,9 @@ decode tokens copies its inputs into rows ``0..B-1`` and fills rows ``B..S-1`` w
 write and read only a reserved scratch KV block at position 0, so they never touch real requests.
 
 Why graph == eager bit for bit: every op is per row (a row's value does not depend on the batch size or
-on the other rows), the indexer width is the static model limit, the MoE runs every expert on every row
-and keeps each row's own experts (``ops.graph_safe``: no host sync, no data-dependent shapes), and value
+on the other rows), the indexer width is the static model limit, the MoE dispatches in the masked layout
+with the static capacity S (``ops.graph_safe``: no host sync, no data-dependent shapes; a token's value is
+the same as in the contiguous layout of eager steps and training, by ``moe_experts``' contract), and value
 checks that would sync with the host are off during capture (``cache.check = False``; the kernels' NaN
 poisoning remains). Weights are read from the deployment's storage, which ``Deployment.update_`` rewrites
 in place, so captured graphs stay valid across RL steps.
@@ -16,14 +17,94 @@ in place, so captured graphs stay valid across RL steps.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 import torch
 
 from ..model.forward import StepInputs, forward_step
 
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the harness's own code that runs inside the captured decode step (interim.py is the CPU-only stand-in)
+GUARD_ROOTS = tuple(os.path.join(_PKG, d) + os.sep for d in ("model", "rollout", "training", "rl"))
+GUARD_EXEMPT = (os.path.join(_PKG, "model", "interim.py"),)
+
+
+class HostSyncError(RuntimeError):
+    """A host<->device transfer, host sync or value-dependent shape issued inside the captured region."""
+
+
+def _bool_index(idx) -> bool:
+    items = idx if isinstance(idx, tuple) else (idx,)
+    return any(torch.is_tensor(i) and i.dtype == torch.bool for i in items)
+
+
+@contextlib.contextmanager
+def host_sync_guard(roots=GUARD_ROOTS, exempt=GUARD_EXEMPT):
+    """Inside this context, any call issued from a file under ``roots`` (not in ``exempt``) that would copy
+    between host and device, synchronise with the host or make a shape depend on device values raises
+    :class:`HostSyncError` naming the call and ``file:line``: ``Tensor.item/tolist/cpu/numpy``,
+    ``bool()/int()/float()`` of a tensor, ``nonzero``/``unique``/``masked_select``, boolean-mask indexing,
+    ``torch.tensor``/``torch.as_tensor`` (Python data -> device), ``Tensor.to`` onto another device,
+    ``repeat_interleave`` without ``output_size``, ``torch.cuda.synchronize``. Calls made by the team's ops
+    (``zerodiff.ops``) are not inspected here (their own tests and the GPU capture check them).
+
+    Used by the CPU emulation of the captured decode step (``DecodeGraphs(guard=True)``)."""
+
+    def ours(depth=2):
+        f = sys._getframe(depth)
+        fn = f.f_code.co_filename
+        if fn.startswith(roots) and fn not in exempt:
+            return f"{os.path.relpath(fn, _PKG)}:{f.f_lineno}"
+        return None
+
+    patches = []
+
+    def wrap(owner, name, pred=None, what=None):
+        orig = getattr(owner, name)
+
+        def fn(*a, **k):
+            where = ours()
+            if where and (pred is None or pred(*a, **k)):
+                raise HostSyncError(f"zerodiff: {what or name} inside the captured decode step at {where} "
+                                    "(host<->device copy / host sync / value-dependent shape breaks CUDA-graph capture)")
+            return orig(*a, **k)
+
+        patches.append((owner, name, orig))
+        setattr(owner, name, fn)
+
+    T = torch.Tensor
+    for n in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero", "unique",
+              "masked_select"):
+        wrap(T, n, what=f"Tensor.{n}")
+    for n in ("tensor", "as_tensor", "nonzero", "unique", "masked_select"):
+        wrap(torch, n, what=f"torch.{n}")
+    wrap(torch.cuda, "synchronize", what="torch.cuda.synchronize")
+    wrap(torch, "repeat_interleave", lambda *a, **k: k.get("output_size") is None and len(a) > 1 and torch.is_tensor(a[1]),
+         "torch.repeat_interleave with tensor repeats and no output_size")
+
+    def other_device(self, *a, **k):
+        dev = k.get("device")
+        for x in a:
+            if isinstance(x, (str, torch.device)):
+                dev = x
+        return dev is not None and torch.device(dev).type != self.device.type
+
+    wrap(T, "to", other_device, "Tensor.to(another device)")
+    wrap(T, "__getitem__", lambda self, idx: _bool_index(idx), "boolean-mask indexing")
+    wrap(T, "__setitem__", lambda self, idx, v: _bool_index(idx), "boolean-mask assignment")
+    try:
+        yield
+    finally:
+        for owner, name, orig in reversed(patches):
+            setattr(owner, name, orig)
+
 
 class DecodeGraphs:
-    def __init__(self, engine):
+    def __init__(self, engine, guard: bool = False):
         self.engine = engine
+        self.guard = guard  # run the (emulated) captured step under host_sync_guard
         cfg, rc = engine.cfg, engine.rcfg
         self.sizes = sorted(rc.graph_batch_sizes)
         self.max_blocks = (cfg.max_pos + rc.block_size - 1) // rc.block_size
@@ -63,8 +144,9 @@ class DecodeGraphs:
         st.ctx_before[B:].fill_(1)
         st.block_table[B:, 0] = self.scratch
 
-    def _run_eager_static(self, st):
-        return forward_step(self.engine.dep, st, self.engine.cache, self.engine.ops)
+    def _run_eager_static(self, st, guard: bool = False):
+        with host_sync_guard() if guard else contextlib.nullcontext():
+            return forward_step(self.engine.dep, st, self.engine.cache, self.engine.ops)
 
     def _capture(self, S: int):
         eng = self.engine
@@ -102,12 +184,13 @@ class DecodeGraphs:
             st = self._static_step(S)
             self._fill(st, step)
             st.pure_decode = True
-            old = self.engine.ops.graph_safe
-            self.engine.ops.graph_safe = True
+            eng = self.engine
+            old_check, old_safe = eng.cache.check, eng.ops.graph_safe
+            eng.cache.check, eng.ops.graph_safe = False, True  # exactly the capture's settings
             try:
-                return self._run_eager_static(st)[:B].clone()
+                return self._run_eager_static(st, guard=self.guard)[:B].clone()
             finally:
-                self.engine.ops.graph_safe = old
+                eng.cache.check, eng.ops.graph_safe = old_check, old_safe
         entry = self.graphs.get(S)
         if entry is None:
             try:
@@ -115,7 +198,12 @@ class DecodeGraphs:
             except Exception as e:  # fail loudly but keep the rollout running eagerly (graph_steps stays 0)
                 import warnings
 
-                self.disabled = f"CUDA graph capture failed for batch {S}: {type(e).__name__}: {e}"
+                import traceback
+
+                frames = [f"{os.path.relpath(fr.filename, _PKG)}:{fr.lineno}" for fr in traceback.extract_tb(e.__traceback__)
+                          if fr.filename.startswith(_PKG)][-4:]
+                self.disabled = (f"CUDA graph capture failed for batch {S}: {type(e).__name__}: {str(e)[:400]} "
+                                 f"(at {' <- '.join(reversed(frames))})")
                 warnings.warn("zerodiff: " + self.disabled + "; pure-decode steps run eagerly")
                 torch.cuda.synchronize()
                 return forward_step(self.engine.dep, step, self.engine.cache, self.engine.ops)
