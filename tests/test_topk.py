@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from zerodiff import _triton as zt
+import zerodiff.ops.topk as topk_mod
 from zerodiff.ops.topk import _topk_triton, deterministic_topk, topk_routing
 from zerodiff.reference.topk import deterministic_topk_ref, order_preserving_bits
 
@@ -171,10 +172,10 @@ def test_negative_control_torch_topk():
 # ---------------------------------------------------------------------------------------------------
 # Triton kernel through the interpreter (small shapes), bitwise equal to the reference
 # ---------------------------------------------------------------------------------------------------
-def _check_triton(s, k, lengths, chunk=None, digit=None, hist_mask=None):
+def _check_triton(s, k, lengths, chunk=None, digit=None, hist_mask=None, variant=None, split=None):
     if DEV == "cuda" and chunk is not None:
         chunk = max(chunk, 32)  # at least one warp's worth of lanes per chunk on the GPU
-    kw = dict(chunk=chunk, digit=digit, hist_mask=hist_mask)
+    kw = dict(chunk=chunk, digit=digit, hist_mask=hist_mask, variant=variant, split=split)
     pos, sc = _topk_triton(_dev(s), k, _dev(lengths), True, **kw)
     rpos, rsc = deterministic_topk_ref(s, k, lengths, return_scores=True)
     assert torch.equal(pos.cpu(), rpos.cpu()), f"positions differ (k={k}, {kw})"
@@ -256,6 +257,117 @@ def test_triton_victim_in_batch(seeded):
             L = torch.randint(0, W + 1, (B,), generator=g, dtype=torch.int32)
             fill[slot], L[slot] = victim, vlen
             got = _topk_triton(_dev(fill), k, _dev(L), False, chunk=32).cpu()
+            assert torch.equal(got[slot], alone[0]), f"victim changed at B={B} slot={slot}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# "split" variant (row histogram and compaction over fixed slices, then one finishing program per row):
+# same bits as the reference, tiny slices so that every row spans many slices
+# ---------------------------------------------------------------------------------------------------
+SPLIT_SMALL = [dict(SW=16, CH=32), dict(SW=32, CH=32, D0=8, D=8), dict(SW=64, CH=64, D0=12, D=10),
+               dict(SW=32, CH=32, D0=11, D=7)]
+
+
+@needs_triton
+@pytest.mark.parametrize("k,cfg,hist_mask", [
+    (1, 0, None), (7, 1, None), (64, 2, False), (199, 3, None), (260, 0, None),
+])
+def test_split_matches_reference(seeded, k, cfg, hist_mask):
+    g = seeded(f"split-{k}-{cfg}")
+    W = 200
+    s = torch.cat([adversarial_rows(W, g), torch.randn(1, W, generator=g) * 1e-3])[[0, 2, 3, 4, 5, 8, 9]]
+    L = torch.randint(0, W + 1, (s.shape[0],), generator=g, dtype=torch.int32)
+    L[0], L[-1] = W, min(k, W)
+    split = dict(SPLIT_SMALL[cfg])
+    if DEV == "cuda":
+        split["SW"], split["CH"] = max(split["SW"], 32), max(split["CH"], 32)
+    _check_triton(s, k, None, hist_mask=hist_mask, variant="split", split=split)
+    _check_triton(s, k, L, hist_mask=hist_mask, variant="split", split=split)
+
+
+@needs_triton
+def test_split_edge_cases(seeded, monkeypatch):
+    g = seeded()
+    sp = dict(SW=16, CH=16) if DEV == "cpu" else dict(SW=32, CH=32)
+    s = torch.randn(3, 40, generator=g)
+    _check_triton(s, 5, torch.tensor([0, 40, 1], dtype=torch.int32), variant="split", split=sp)
+    _check_triton(torch.empty(0, 40), 5, None, variant="split", split=sp)
+    _check_triton(torch.empty(2, 0), 3, None, variant="split", split=sp)
+    big = torch.randn(40, 6, generator=g)
+    _check_triton(big.t(), 9, None, variant="split", split=sp)  # strided rows
+    t = torch.randn(3, 100, generator=g)
+    t[0, 37:] = float("inf")
+    t[1, 50:] = float("nan")
+    t[2, 3:] = 3e38
+    _check_triton(t, 8, torch.tensor([37, 50, 3], dtype=torch.int32), variant="split", split=sp)
+    # all ties at radix boundaries (the kept list is the whole row), every k around the slice size
+    b = torch.tensor([0x3F800000, 0x3F8000FF, 0x3F800100, 0x3F80FF00] * 12, dtype=torch.int32)
+    b = b.view(torch.float32)[None].clone()
+    for k in (1, 12, 13, 16, 17, 47, 48, 60):
+        _check_triton(b, k, None, variant="split", split=sp)
+    # rows processed in several scratch blocks give the same rows
+    monkeypatch.setattr(topk_mod, "SPLIT_SCRATCH_BYTES", 8 * 64 * 2)  # 2 rows of width 64 per block
+    q = torch.round(torch.randn(5, 64, generator=g) * 2) / 2
+    _check_triton(q, 10, torch.tensor([64, 3, 0, 50, 64], dtype=torch.int32), variant="split", split=sp)
+
+
+@needs_triton
+def test_split_bad_config():
+    s = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="power of two"):
+        _topk_triton(_dev(s), 4, None, False, variant="split", split=dict(SW=24))
+    with pytest.raises(ValueError, match="multiple of D"):
+        _topk_triton(_dev(s), 4, None, False, variant="split", split=dict(D0=10, D=8))
+    with pytest.raises(ValueError, match="unknown split config"):
+        _topk_triton(_dev(s), 4, None, False, variant="split", split=dict(BOGUS=1))
+    with pytest.raises(ValueError, match="unknown Top-K variant"):
+        _topk_triton(_dev(s), 4, None, False, variant="fast")
+
+
+@needs_triton
+def test_variant_selection(seeded, monkeypatch):
+    """VARIANT picks the design from the width only; a bad VARIANT fails closed with a clear message."""
+    g = seeded()
+    s = torch.round(torch.randn(3, 96, generator=g) * 3) / 3
+    L = torch.tensor([96, 40, 7], dtype=torch.int32)
+    ref = deterministic_topk_ref(s, 9, L)
+    calls = []
+    real = topk_mod._topk_split
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(topk_mod, "_topk_split", spy)
+    monkeypatch.setattr(topk_mod, "VARIANT", "split")
+    monkeypatch.setattr(topk_mod, "SPLIT_MIN_W", 64)
+    assert torch.equal(deterministic_topk(_dev(s), 9, _dev(L), backend="triton").cpu(), ref)
+    assert len(calls) == 1
+    assert torch.equal(deterministic_topk(_dev(s[:, :60]), 9, None, backend="triton").cpu(),
+                       deterministic_topk_ref(s[:, :60], 9))  # narrower than SPLIT_MIN_W: "single"
+    assert len(calls) == 1
+    monkeypatch.setattr(topk_mod, "VARIANT", "turbo")
+    with pytest.raises(ValueError, match="ZD_TOPK_VARIANT"):
+        deterministic_topk(_dev(s), 9, _dev(L), backend="triton")
+
+
+@needs_triton
+def test_split_victim_in_batch(seeded):
+    """Split variant: the victim's positions are the same alone and at several slots of several batches."""
+    g = seeded()
+    W, k = 96, 24
+    sp = dict(SW=16, CH=16) if DEV == "cpu" else dict(SW=32, CH=32)
+    victim = adversarial_rows(W, g)[4]
+    vlen = 90
+    vl = torch.tensor([vlen], dtype=torch.int32)
+    alone = _topk_triton(_dev(victim[None]), k, _dev(vl), False, variant="split", split=sp).cpu()
+    assert torch.equal(alone, deterministic_topk_ref(victim[None], k, vl))
+    for B in (2, 5):
+        for slot in sorted({0, B // 2, B - 1}):
+            fill = torch.round(torch.randn(B, W, generator=g) * 2) / 2
+            L = torch.randint(0, W + 1, (B,), generator=g, dtype=torch.int32)
+            fill[slot], L[slot] = victim, vlen
+            got = _topk_triton(_dev(fill), k, _dev(L), False, variant="split", split=sp).cpu()
             assert torch.equal(got[slot], alone[0]), f"victim changed at B={B} slot={slot}"
 
 

@@ -384,7 +384,7 @@ def _split_config(W: int) -> dict:
     sw = 1024
     while sw * 16 < W and sw < 4096:
         sw *= 2
-    return dict(SW=sw, D0=10, D=11, CH=1024, W1=8 if sw >= 4096 else 4, W2=8 if sw >= 4096 else 4, W3=4)
+    return dict(SW=sw, D0=10, D=11, CH=512, W1=8 if sw >= 4096 else 4, W2=8 if sw >= 4096 else 4, W3=4)
 
 
 def _check_variant(variant) -> str:
