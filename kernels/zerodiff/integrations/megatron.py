@@ -740,14 +740,19 @@ def moe_experts(experts: torch.nn.Module, x: torch.Tensor, probs: torch.Tensor, 
 
 
 def moe_layer_forward(layer: Any, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                      shared_expert_output: torch.Tensor | None) -> torch.Tensor:
+                      shared_expert_output: torch.Tensor | None, intermediate_tensors=None) -> torch.Tensor:
     """The patched ``MoELayer.forward`` body after routing: ``finish(moe_experts(...), shared)`` =
     ``bf16(routed_fp32 + fp32(shared_bf16))`` (one rounding, ``zerodiff.ops.moe.finish``), in the shape of
     ``hidden_states``. The token dispatcher (permute / unpermute) is not used: every expert is local
     (EP = 1) and the combine is the op's FP32 slot-order sum. Refused: expert parallelism, latent MoE,
-    shared-expert overlap, ``moe_apply_probs_on_input``, non-SwiGLU experts."""
+    shared-expert overlap, ``moe_apply_probs_on_input``, non-SwiGLU experts, and a partial forward (MoE CUDA-graph
+    partial capture: ``fwd_execution_map`` without ``expert_compute`` / ``postprocess``, or intermediate tensors)."""
     cfg = layer.config
     problems = []
+    fmap = getattr(layer, "fwd_execution_map", None)
+    if intermediate_tensors is not None or (fmap is not None and not {"route", "expert_compute",
+                                                                       "postprocess"} <= set(fmap)):
+        problems.append("a partial MoE forward (cuda_graph_modules capturing MoE parts / intermediate tensors)")
     if int(getattr(cfg, "expert_model_parallel_size", 1) or 1) > 1:
         problems.append(f"expert_model_parallel_size={cfg.expert_model_parallel_size} (needs 1)")
     if getattr(cfg, "moe_latent_size", None):
