@@ -499,10 +499,13 @@ def split_config(d_nope: int = 512, d_rope: int = 64) -> dict:
 #: * ``"pf_bh2x"``: "pf" with BLOCK_H doubled (64 heads per program: each token dequantised once, not twice).
 #:   Same per-head operations, but another MMA N may select another MMA instruction: bits vs "default" not
 #:   claimed (the GPU sweep test reports it); invariant on its own like every variant.
+#: * ``"pf_bhhalf_w4"``: "pf" with BLOCK_H halved and 4 warps (16 heads at the model shape: 254 registers x 128
+#:   threads, so two CTAs fit on an SM and hide each other's load latency; tokens dequantised 4x, from L2).
+#:   Bits vs "default" not claimed, as for "pf_bh2x".
 #:
 #: ``SPLIT_VARIANT`` names the one the ``triton_fp8_split`` backend runs; changing it is a deployment decision made
 #: for rollout AND training together (variants marked "OTHER bits" change every output).
-SPLIT_VARIANTS = ("default", "pf", "pf_s2", "pf_bn2x", "pf_chunk2x", "pf_bh2x")
+SPLIT_VARIANTS = ("default", "pf", "pf_s2", "pf_bn2x", "pf_chunk2x", "pf_bh2x", "pf_bhhalf_w4")
 #: the variant ``backend="triton_fp8_split"`` runs when none is named (the verified one).
 SPLIT_VARIANT = "default"
 #: variants whose bits equal "default" by construction (identical arithmetic, other load schedule / merge grid).
@@ -525,6 +528,9 @@ def split_variant_config(variant: str = "default", d_nope: int = 512, d_rope: in
         cfg["CHUNK"] *= 2
     elif variant == "pf_bh2x":
         cfg["BLOCK_H"] *= 2
+    elif variant == "pf_bhhalf_w4":
+        cfg["BLOCK_H"] //= 2
+        cfg["num_warps"] = 4
     return cfg
 
 
