@@ -1310,6 +1310,10 @@ def test_megatron_moe_refusals(seeded):
     experts.local_experts[0].linear_fc1.bias = torch.nn.Parameter(torch.zeros(256))
     with pytest.raises(ConfigError, match="bias"):
         zm.moe_layer_forward(_moe_layer(experts, 2), x, p, m, None)
+    layer = _moe_layer(_moe_fixture(g, E=4)[0], 2)
+    layer.fwd_execution_map = ["route"]
+    with pytest.raises(ConfigError, match="partial MoE forward"):
+        zm.moe_layer_forward(layer, x, p, m, None)
     experts, _, _ = _moe_fixture(g, E=4)
     with pytest.raises(ConfigError, match="router has 8 experts"):
         zm.moe_experts(experts, x, *zm.topk_routing(torch.randn(3, 8), 2), 2)

@@ -57,6 +57,13 @@ Autograd wrappers (public)
 * ``mark_fp8_linears(model, predicate)`` / ``parallel_linear_fp8(module, x, weight=None)``: Megatron's
   ``ColumnParallelLinear`` / ``RowParallelLinear`` marked ``zerodiff_fp8 = True`` run :func:`fp8_linear`
   with a per-module deployment copy requantised in place whenever the master's version changes.
+* ``moe_layer_forward(layer, hidden_states, probs, routing_map, shared_expert_output, intermediate_tensors=None)``
+  (the patched ``MoELayer.forward`` after routing) / ``moe_experts(experts, x, probs, routing_map, topk,
+  clamp_limit=None) -> fp32 [T, H]``: ``zerodiff.ops.moe.moe_experts`` in the contiguous layout on a stacked
+  per-module deployment copy of the expert masters (requantised in place when a master's version changes), slots
+  from ``routing_slots(probs, routing_map, topk)`` (expert id descending = ``route``'s slot order), FP32 combine
+  in slot order, ``finish`` with the shared expert (one BF16 rounding); straight-through backward (FP32 graph,
+  unquantised masters) to x, probs and every master (``expert_master_weights``: SequentialMLP / TEGroupedMLP).
 """
 
 from __future__ import annotations

@@ -70,6 +70,12 @@ Adapters (upstream tensors/layouts -> zerodiff ops)
   ``SiluAndMul`` / ``SiluAndMulWithClamp`` (one BF16 rounding).
 * ``expert_routing(router_logits, top_k, *, scoring_func, bias, renormalize, routed_scaling_factor,
   indices_type)``: ``zerodiff.ops.moe.route`` for ``FusedTopKBiasRouter`` (deterministic expert top-k).
+* ``dsv4_decode_attention(layer, q, positions, kv_cache, swa_metadata, attn_metadata, swa_only, output,
+  sparse_fwd)``: DeepSeek-V4 decode through the prefill read path (``DeepseekV4FlashMLAAttention.
+  _forward_decode``): the entries the prefill path gives the token (``dsv4_decode_entries``: compressed top-k in
+  the indexer's order, then the SWA window ascending), dequantised bit-exactly (``dsv4_dequant_rows``) into a BF16
+  workspace (``dsv4_decode_workspace``) padded to the prefill width (``dsv4_workspace_width``), then
+  ``flash_mla_sparse_fwd``; never the FP8 decode kernel.
 Adapters called inside vLLM's compiled model forward (router, RMSNorm, FP8 linear, SwiGLU) run through torch
 custom ops (``zerodiff_vllm::*``) so Dynamo treats them as opaque. The others are called from code vLLM
 already runs outside the compiled graph (the indexer and MoE custom ops, the sampler).
