@@ -925,6 +925,9 @@ def _pf_alignments(cache, d_nope):
     if cache.data_ptr() % 16:
         raise ValueError("zerodiff.sparse_attention[triton_fp8_split]: the pipelined split variants need a 16-byte "
                          f"aligned cache base (data_ptr % 16 = {cache.data_ptr() % 16}); use variant='default'")
+    if cache.shape[0] * cache.shape[1] >= 2**31:
+        raise ValueError(f"zerodiff.sparse_attention[triton_fp8_split]: the pipelined split variants address tokens "
+                         f"with int32 slots; this cache holds {cache.shape[0] * cache.shape[1]} (>= 2^31)")
     bpt = cache.shape[2]
     a = _pow2_align(bpt)
     if a < 4:
