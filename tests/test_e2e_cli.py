@@ -72,3 +72,32 @@ def test_bench_cpu_writes_json(tmp_path, capsys):
     assert doc["ratio"] > 0 and doc["baseline_choice"]
     txt = capsys.readouterr().out
     assert ("wrote" in txt) or ("PNG skipped" in txt)
+
+
+def test_check_time_budget_stops_cleanly_and_keeps_results(tmp_path, monkeypatch, capsys):
+    """--time-budget: the run stops before a step that would end past the budget; the steps that ran are
+    reported, written to JSON and decide the verdict (here: 1 step ran, diff = 0 -> exit 0)."""
+    calls = []
+
+    def over(args, t0, last_s):
+        calls.append(last_s)
+        return len(calls) > 1  # the budget "runs out" after the first step
+
+    monkeypatch.setattr(e2e_cli, "_over_budget", over)
+    out = tmp_path / "check.json"
+    rc = e2e_cli.main(["check", "--config", "cpu", "--steps", "50", "--time-budget", "100", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["steps_run"] == 1 and doc["stopped_by_time_budget"] and doc["passed"] and doc["steps"] == 50
+    assert calls[1] > 0  # the estimate uses the last step's duration
+    text = capsys.readouterr().out
+    assert "stopping cleanly after 1 of 50 steps" in text and "time budget reached: 1 of 50 requested" in text
+
+
+def test_check_time_budget_exhausted_before_any_step_fails(tmp_path):
+    out = tmp_path / "check.json"
+    rc = e2e_cli.main(["check", "--config", "cpu", "--steps", "3", "--time-budget", "0", "--quiet",
+                       "--json", str(out)])
+    assert rc == 1  # nothing was checked: never a pass
+    doc = json.loads(out.read_text())
+    assert doc["steps_run"] == 0 and doc["stopped_by_time_budget"] and doc["passed"] is False

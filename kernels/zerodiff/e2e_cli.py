@@ -61,6 +61,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--json", dest="json_path", default=None, help="write the results to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop cleanly before a step would end past SECONDS since the command started (the steps "
+                        "that ran are reported and written; the JSON is also rewritten after every step)")
 
 
 def register(subparsers) -> None:
@@ -96,6 +99,28 @@ def _log(args, msg):
         print(msg, flush=True)
 
 
+def _over_budget(args, t0, last_step_s) -> bool:
+    """True when the next step (estimated as long as the last one, +10%) would end past --time-budget."""
+    if args.time_budget is None:
+        return False
+    return (time.perf_counter() - t0) + 1.1 * last_step_s > args.time_budget
+
+
+def _write_json(path, doc) -> None:
+    if not path:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def _baseline_kernels() -> dict:
+    from .model import baseline_cuda
+
+    return baseline_cuda.choices_text()
+
+
 def cmd_check(args) -> int:
     from .model.config import default_preset_name
     from .rl.loop import DiffError, RLRun
@@ -106,13 +131,35 @@ def cmd_check(args) -> int:
     mode = "baseline" if args.baseline else "consistent"
     t0 = time.perf_counter()
     reports, failure, restored_at = [], None, None
+    stopped_by_budget = False
+    from .model.ops import BASELINE_CHOICE, INTERIM_OPS
+
+    def doc_now(passed=None):
+        return {
+            "command": "check", "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "device": _device_name(device), "config": cfg_name, "mode": mode, "seed": args.seed,
+            "steps": args.steps, "steps_run": len(reports), "stopped_by_time_budget": stopped_by_budget,
+            "time_budget_s": args.time_budget, "passed": passed, "elapsed_s": round(time.perf_counter() - t0, 2),
+            "restore_at": args.restore_at, "torch": torch.__version__, "reports": reports, "failure": failure,
+            "interim_ops": list(INTERIM_OPS), "baseline_choice": BASELINE_CHOICE if args.baseline else None,
+            "baseline_kernels_ran": _baseline_kernels() if args.baseline else None,
+        }
+
     with _cpu_threads(device):
         run = RLRun.load(args.resume, device) if args.resume else RLRun(cfg_name, args.seed, mode, device)
         if args.resume:
             _log(args, f"resumed {args.resume} at step {run.step}")
+        _log(args, f"model, caches and optimizer ready ({time.perf_counter() - t0:.1f} s)")
         _log(args, f"zerodiff check: config={run.preset.name} mode={mode} device={_device_name(device)} "
                    f"steps={args.steps} seed={run.seed}")
+        last_s = 0.0
         for i in range(args.steps):
+            if _over_budget(args, t0, last_s):
+                stopped_by_budget = True
+                _log(args, f"time budget {args.time_budget:.0f} s: stopping cleanly after {len(reports)} of "
+                           f"{args.steps} steps ({time.perf_counter() - t0:.1f} s elapsed)")
+                break
+            ts = time.perf_counter()
             try:
                 rep = run.run_step()
             except DiffError as e:
@@ -130,7 +177,10 @@ def cmd_check(args) -> int:
                        f"(mixed {rep['mixed_steps']}, decode {rep['decode_steps']}, graphs {rep['graph_steps']}) "
                        f"batch sizes {rep['batch_sizes'][:6]}{'...' if len(rep['batch_sizes']) > 6 else ''} "
                        f"reward {rep['reward_mean']:.3f} [{rep['rollout_s'] + rep['train_s']:.1f}s]"
-                       + (" (first step after restore)" if rep.get("first_after_restore") else ""))
+                       + (" (first step after restore)" if rep.get("first_after_restore") else "")
+                       + f" t={time.perf_counter() - t0:.0f}s")
+            last_s = time.perf_counter() - ts
+            _write_json(args.json_path, doc_now())
             if args.restore_at is not None and rep["step"] == args.restore_at and i + 1 < args.steps:
                 with tempfile.TemporaryDirectory() as d:
                     path = os.path.join(d, "ckpt.pt")
@@ -142,28 +192,25 @@ def cmd_check(args) -> int:
             run.save(args.save)
     elapsed = time.perf_counter() - t0
     ok_steps = [r for r in reports if r["bitwise_equal"]]
+    ran = len(reports)
     if args.baseline:
         passed = any(not r["bitwise_equal"] for r in reports)
-    else:
-        passed = failure is None and len(ok_steps) == args.steps
+    else:  # every step that ran had diff = 0 (all requested ones, unless the time budget stopped the run)
+        passed = failure is None and ran > 0 and len(ok_steps) == ran and (ran == args.steps or stopped_by_budget)
     print(format_table(reports))
-    from .model.ops import BASELINE_CHOICE, INTERIM_OPS
+    if args.baseline:
+        for k, v in _baseline_kernels().items():
+            print(f"baseline kernel: {k}: {v}")
 
     verdict = ("PASS" if passed else "FAIL")
     what = "negative control: diff > 0 observed" if args.baseline and passed else \
         "negative control: NO difference observed (the check cannot see a difference!)" if args.baseline else \
-        f"diff = 0 on {len(ok_steps)}/{args.steps} steps"
-    print(f"{verdict}: {what} ({elapsed:.1f} s)")
-    doc = {
-        "command": "check", "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "device": _device_name(device), "config": run.preset.name, "mode": mode, "seed": run.seed,
-        "steps": args.steps, "passed": passed, "elapsed_s": round(elapsed, 2), "restore_at": args.restore_at,
-        "torch": torch.__version__, "reports": reports, "failure": failure,
-        "interim_ops": list(INTERIM_OPS), "baseline_choice": BASELINE_CHOICE if args.baseline else None,
-    }
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
+        f"diff = 0 on {len(ok_steps)}/{ran} steps run" + (f" (time budget reached: {ran} of {args.steps} requested)"
+                                                           if stopped_by_budget else "")
+    print(f"{verdict}: {what} ({elapsed:.1f} s)", flush=True)
+    doc = doc_now(passed)
+    doc["config"], doc["seed"] = run.preset.name, run.seed
+    _write_json(args.json_path, doc)
     return 0 if passed else 1
 
 
@@ -176,8 +223,32 @@ def cmd_bench(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = str(device).startswith("cuda")
     rows = []
+    t0 = time.perf_counter()
+    stopped_by_budget = False
+    from .model.ops import BASELINE_CHOICE, INTERIM_OPS
+
+    def doc_now(tot=None, ratio=None):
+        return {
+            "command": "bench", "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "device": _device_name(device), "config": cfg_name, "seed": args.seed, "rows": rows,
+            "steps": args.steps, "steps_run": len(rows), "stopped_by_time_budget": stopped_by_budget,
+            "consistent_tok_per_s": tot and tot["consistent"], "baseline_tok_per_s": tot and tot["baseline"],
+            "ratio": ratio, "baseline_choice": BASELINE_CHOICE, "baseline_kernels_ran": _baseline_kernels(),
+            "interim_ops": list(INTERIM_OPS), "torch": torch.__version__,
+            "elapsed_s": round(time.perf_counter() - t0, 2),
+        }
+
     with _cpu_threads(device):
         runs = {m: RLRun(cfg_name, args.seed, m, device) for m in ("consistent", "baseline")}
+        _log(args, f"zerodiff bench: config={cfg_name} device={_device_name(device)}; both modes ready "
+                   f"({time.perf_counter() - t0:.1f} s)")
+        for m, run in runs.items():  # capture every decode graph before anything is timed
+            if run.engine.graphs is not None and not run.engine.emulate_graphs:
+                got = run.engine.graphs.capture_all()
+                _log(args, f"{m}: CUDA graphs captured for batch sizes {sorted(got)}"
+                           + (f"; FAILED: {run.engine.graphs.disabled}" if run.engine.graphs.disabled else "")
+                           + f" ({time.perf_counter() - t0:.1f} s)")
+        last_s = 0.0
 
         def timed(run, s):
             if cuda:
@@ -189,6 +260,11 @@ def cmd_bench(args) -> int:
             return out, time.perf_counter() - t
 
         for s in range(-args.warmup, args.steps):
+            if s >= 1 and _over_budget(args, t0, last_s):
+                stopped_by_budget = True
+                _log(args, f"time budget {args.time_budget:.0f} s: stopping cleanly after {len(rows)} timed steps")
+                break
+            ts = time.perf_counter()
             row = {"step": s}
             for m, run in runs.items():
                 out, dt = timed(run, max(s, 0) + 1000 * (s < 0))
@@ -208,22 +284,22 @@ def cmd_bench(args) -> int:
                 rows.append(row)
                 _log(args, f"step {s}: consistent {row['consistent_tok_per_s']:.1f} tok/s, baseline "
                            f"{row['baseline_tok_per_s']:.1f} tok/s, ratio {row['ratio']:.3f}; diff max consistent "
-                           f"{row['consistent_probs_diff_max']:.3g} baseline {row['baseline_probs_diff_max']:.3g}")
+                           f"{row['consistent_probs_diff_max']:.3g} baseline {row['baseline_probs_diff_max']:.3g} "
+                           f"t={time.perf_counter() - t0:.0f}s")
+                _write_json(args.json_path, doc_now())
+            last_s = time.perf_counter() - ts
+    if not rows:
+        print("zerodiff bench: no timed step completed", flush=True)
+        _write_json(args.json_path, doc_now())
+        return 1
     tot = {m: sum(r["tokens"] for r in rows) / sum(r[f"{m}_s"] for r in rows) for m in ("consistent", "baseline")}
     ratio = tot["consistent"] / tot["baseline"]
-    from .model.ops import BASELINE_CHOICE, INTERIM_OPS
 
     print(f"rollout output tokens/s: consistent {tot['consistent']:.1f}, baseline {tot['baseline']:.1f}, "
           f"ratio {ratio:.3f} ({'CPU reference backends: not a performance number' if not cuda else _device_name(device)})")
-    doc = {
-        "command": "bench", "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "device": _device_name(device), "config": cfg_name, "seed": args.seed, "rows": rows,
-        "consistent_tok_per_s": tot["consistent"], "baseline_tok_per_s": tot["baseline"], "ratio": ratio,
-        "baseline_choice": BASELINE_CHOICE, "interim_ops": list(INTERIM_OPS), "torch": torch.__version__,
-    }
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(doc, f, indent=1)
+    for k, v in _baseline_kernels().items():
+        print(f"baseline kernel: {k}: {v}")
+    _write_json(args.json_path, doc_now(tot, ratio))
     if args.png:
         try:
             import matplotlib

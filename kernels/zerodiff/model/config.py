@@ -2,7 +2,8 @@
 
 ``cpu``: every operator class at toy sizes, so ``zerodiff check --config cpu --steps 3`` runs on the
 reference backends in well under a minute on one core. ``h200``: realistic per-head shapes (64 query heads,
-512 + 64 latent, top-k 2048, contexts of several thousand tokens, dozens of experts), few layers.
+512 + 64 latent, top-k 2048, contexts of 1.5K-3.6K tokens, 32 experts), 2 layers, sized so 100 RL steps fit
+in ~5 minutes on one H200. ``gpu_small``: the GPU tests' smoke preset.
 """
 
 from __future__ import annotations
@@ -76,27 +77,34 @@ class Preset:
 
 CPU = Preset("cpu", ModelConfig(), RolloutConfig())
 
+# H200 acceptance preset: the per-head shapes of DeepSeek-V4-Flash's attention (64 query heads, 512 + 64 latent,
+# 128-wide DSA indexer with 64 heads, top-k 2048 over contexts of 1.5K-3.6K tokens), 32 routed experts (top-6) +
+# a shared expert, 2 layers. Sized from the H200 kernel timings of 2026-11-30 (docs/data/bench-h200-2026-11-30):
+# per RL step ~8 requests x ~2.6K prompt tokens (~20K prefill tokens: ~0.3 s), ~30 decode steps of <= 8 rows in
+# CUDA graphs, a training forward+backward whose STE attention graph is dense per sequence (~0.5 s), one AdamW
+# step over ~0.75B parameters: ~2-3 s per step, so `zerodiff check --config h200 --steps 100` takes ~4-5 minutes.
 H200 = Preset(
     "h200",
     ModelConfig(
-        vocab=32768, hidden=2048, layers=4, hc_mult=4, heads=64, q_lora=1024, d_latent=512, d_rope=64,
+        vocab=32768, hidden=2048, layers=2, hc_mult=4, heads=64, q_lora=1024, d_latent=512, d_rope=64,
         idx_heads=64, idx_dim=128, topk=2048, experts=32, top_experts=6, moe_inter=1024, shared_inter=1024,
-        routed_scale=2.5, max_pos=8192, init_std=0.02,
+        routed_scale=2.5, max_pos=4096, init_std=0.02,
     ),
     RolloutConfig(
-        prompts_per_step=8, responses_per_prompt=2, prompt_len=(1024, 4096), response_len=(32, 128),
-        block_size=64, num_blocks=2048, token_budget=(2048, 8192), max_batch=(4, 16),
-        reward_tokens=4096, graph_batch_sizes=(1, 2, 4, 8, 16),
+        prompts_per_step=4, responses_per_prompt=2, prompt_len=(1536, 3584), response_len=(16, 48),
+        block_size=64, num_blocks=1024, token_budget=(2048, 8192), max_batch=(2, 8),
+        reward_tokens=4096, graph_batch_sizes=(1, 2, 4, 8),
     ),
     TrainConfig(micro_tokens=4096, lr=1e-4),
 )
 
-# GPU smoke preset (for the gpu-marked tests): the H200 per-head shapes (512 + 64 latent, 128-wide indexer)
-# with few heads/experts and short requests, so a whole RL step takes seconds.
+# GPU smoke preset (for the gpu-marked tests): the H200 per-head shapes (64 heads - what FlashMLA's FP8 kernels
+# take, so the stock baseline runs too - 512 + 64 latent, 128-wide indexer) with few experts and short requests,
+# so a whole RL step takes seconds.
 GPU_SMALL = Preset(
     "gpu_small",
     ModelConfig(
-        vocab=4096, hidden=1024, layers=2, hc_mult=4, heads=16, q_lora=512, d_latent=512, d_rope=64,
+        vocab=4096, hidden=1024, layers=2, hc_mult=4, heads=64, q_lora=512, d_latent=512, d_rope=64,
         idx_heads=16, idx_dim=128, topk=128, experts=8, top_experts=2, moe_inter=512, shared_inter=512,
         routed_scale=2.5, max_pos=1024, init_std=0.02,
     ),

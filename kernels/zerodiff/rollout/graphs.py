@@ -170,6 +170,23 @@ class DecodeGraphs:
         self.graphs[S] = (g, st, out)
         return self.graphs[S]
 
+    def capture_all(self) -> dict:
+        """Capture every padded batch size now (all rows are padding on the scratch block: no request is
+        touched), so no capture happens inside a timed rollout. Returns {size: None | failure text}."""
+        out = {}
+        for S in self.sizes:
+            if S in self.graphs or self.disabled is not None:
+                out[S] = self.disabled
+                continue
+            try:
+                self._capture(S)
+                out[S] = None
+            except Exception as e:  # same policy as run(): report, decode steps then run eagerly
+                self.disabled = f"CUDA graph capture failed for batch {S}: {type(e).__name__}: {str(e)[:400]}"
+                out[S] = self.disabled
+                torch.cuda.synchronize()
+        return out
+
     def supports(self, step: StepInputs) -> bool:
         return self.disabled is None and step.T <= self.sizes[-1] and step.block_table.shape[1] <= self.max_blocks
 
