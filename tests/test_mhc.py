@@ -295,6 +295,163 @@ def test_triton_hc_head_matches_reference_and_victim(seeded):
                            f"hc_head victim at {pos} of T={T}")
 
 
+# ------------------------------------------------------------------ split-K variants (opt-in)
+
+# variants exercised on the interpreter: one per precision, split counts that differ at K = 2048
+CPU_VARIANTS = ("ieee_s16", "tf32_s32", "bf16x3_s112", "tf32x3_s32")
+PRE_KW = dict(rms_eps=ref.RMS_EPS, hc_pre_eps=ref.HC_EPS, hc_sinkhorn_eps=ref.HC_EPS,
+              hc_post_mult=ref.POST_MULT, sinkhorn_iters=3)
+
+
+def test_variant_registry_split_counts():
+    assert mhc.DEFAULT_VARIANT == "fp32_s1" and mhc.DEFAULT_HEAD_VARIANT == "fp32_s1"
+    assert mhc.VARIANTS["fp32_s1"].precision == "fp32_legacy"
+    for name, v in mhc.VARIANTS.items():
+        for H in (256, 512, 4096, 7168):
+            K = N_HC * H
+            S, bps = mhc.variant_splits(K, name)
+            nblocks = -(-K // v.block_k)
+            assert S * bps == nblocks and 1 <= S <= max(v.splits, 1), (name, H, S, bps)
+    # DeepSeek-V4 (H 7168): the requested counts are used exactly; H 4096 rounds to whole blocks
+    assert mhc.variant_splits(4 * 7168, "tf32_s112") == (112, 4)
+    assert mhc.variant_splits(4 * 7168, "bf16x3_s16") == (16, 28)
+    assert mhc.variant_splits(4 * 4096, "bf16x3_s112") == (64, 4)
+    with pytest.raises(ValueError, match="unknown variant"):
+        mhc.variant_splits(1024, "tf32_s7")
+
+
+if zt.HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _split_probe_kernel(w_ptr, o_ptr, N, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < N
+        w1, w2, w3 = mhc._split_bf16x3(tl.load(w_ptr + offs, mask=m, other=0.0))
+        tl.store(o_ptr + offs, w1, mask=m)
+        tl.store(o_ptr + N + offs, w2, mask=m)
+        tl.store(o_ptr + 2 * N + offs, w3, mask=m)
+
+
+@needs_triton
+def test_bf16x3_weight_split_is_exact(seeded):
+    """w == w1 + w2 + w3 exactly, each piece exactly bf16, for normal weights of every magnitude."""
+    g = seeded()
+    w = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-60, 60, (4096,), generator=g).float())
+    w[:8] = torch.tensor([0.0, -0.0, 1.0, -1.0, 1.0 + 2**-23, -(1.0 + 2**-23), 3.0 * 2**-100, 2.0**100])
+    w[8:16] = torch.tensor([1.00390625, 1.0 + 2**-8 + 2**-16, 0.02, -0.02, 1e-30, 2.0**-126, 3.4e38, -1e-20])
+    out = torch.empty(3, w.numel())
+    _split_probe_kernel[(triton.cdiv(w.numel(), 1024),)](w, out, w.numel(), BLOCK=1024)
+    for i in range(3):
+        assert torch.equal(out[i].bfloat16().float(), out[i]), f"piece {i + 1} is not bf16-exact"
+    total = out.double().sum(0)
+    assert torch.equal(total, w.double()), f"{(total != w.double()).sum().item()} weights not reconstructed"
+    # the pieces carry 8 + 8 + 8 bits: w1 alone (truncated bf16) is not w for most weights
+    assert (out[0] != w).float().mean() > 0.9
+
+
+def _variant_run(name, res, fn, scale, base):
+    out = mhc.mhc_pre(res, fn, scale, base, backend="triton", variant=name, **PRE_KW)
+    mix, sq = mhc.prenorm_gemm_splitk(res, fn, name)
+    return out, mix, sq
+
+
+@needs_triton
+@pytest.mark.parametrize("name", CPU_VARIANTS)
+def test_triton_variant_victim_in_batch(seeded, name):
+    g = seeded()
+    H = 512  # K = 2048 = 32 blocks of 64: 16 or 32 splits
+    fn, scale, base = _weights(g, H)
+    victim = _streams(g, 1, H, adversarial=False)
+    (alone, mix_a, sq_a) = _variant_run(name, victim, fn, scale, base)
+    S, _ = mhc.variant_splits(N_HC * H, name)
+    assert mix_a.shape == (S, 1, NM) and sq_a.shape == (S, 1)
+    # close to the float64 reference (the interpreter computes tf32 / bf16 products in fp32)
+    r = ref.mhc_pre_ref(victim, fn, scale, base, sinkhorn_iters=3)
+    assert torch.allclose(alone[1], r[1], rtol=2e-6, atol=1e-6)
+    assert torch.allclose(alone[2], r[2], rtol=2e-5, atol=1e-6)
+    # the whole op at small T (the epilogue is one program per row: nothing crosses rows) ...
+    for T, pos in ((9, 8),):
+        batch = _streams(g, T, H)
+        batch[pos] = victim[0]
+        out, mix, sq = _variant_run(name, batch, fn, scale, base)
+        for nm_, a, b in zip(("layer_input", "post", "comb"), out, alone):
+            _assert_rows_equal(a[pos], b[0], f"{name} {nm_}: victim at {pos} of T={T}")
+        _assert_rows_equal(mix[:, pos], mix_a[:, 0], f"{name} partials at {pos} of T={T}")
+    # ... and the split-K partials (the only stage that tiles rows) across row-block boundaries, 2 rounds
+    for rnd in range(2):
+        for T, pos in ((17, 16 * rnd), (65, 64 - 33 * rnd)):  # 65: two row blocks of 64 (ieee: 5 of 16)
+            batch = _streams(g, T, H)
+            batch[pos] = victim[0]
+            mix, sq = mhc.prenorm_gemm_splitk(batch, fn, name)
+            _assert_rows_equal(mix[:, pos], mix_a[:, 0], f"{name} partials at {pos} of T={T}, round {rnd}")
+            _assert_rows_equal(sq[:, pos], sq_a[:, 0], f"{name} sqrsum partials at {pos} of T={T}, round {rnd}")
+
+
+@needs_triton
+def test_triton_variant_negative_control_split_count_matters(seeded):
+    """Why the split count must be a function of K only: the same kernel with another split count gives
+    the same token other bits (so a T-dependent count would make it batch-dependent)."""
+    g = seeded()
+    H = 512
+    fn, scale, base = _weights(g, H)
+    assert mhc.variant_splits(N_HC * H, "bf16x3_s16")[0] != mhc.variant_splits(N_HC * H, "bf16x3_s112")[0]
+    res = _streams(g, 8, H, adversarial=False)
+    a = mhc.mhc_pre(res, fn, scale, base, backend="triton", variant="bf16x3_s16", **PRE_KW)
+    b = mhc.mhc_pre(res, fn, scale, base, backend="triton", variant="bf16x3_s112", **PRE_KW)
+    n_diff = sum((x != y).sum().item() for x, y in zip(a, b))
+    assert n_diff > 0, "negative control failed: 16 and 32 splits gave identical bits"
+    # and the default path (split 1) differs from a split-K variant on the same tokens
+    d = mhc.mhc_pre(res, fn, scale, base, backend="triton", **PRE_KW)
+    assert any(not torch.equal(x, y) for x, y in zip(a, d))
+
+
+@needs_triton
+def test_triton_split_epilogue_matches_verified_epilogue_for_one_split(seeded):
+    """With one partial, the tile-reduce epilogue is the verified epilogue bit for bit (same gates,
+    Sinkhorn and aggregation code); with S partials it differs only in the reduction tree (close)."""
+    g = seeded()
+    H = 256
+    fn, scale, base = _weights(g, H)
+    res = _streams(g, 6, H)
+    mix, sq = mhc.prenorm_gemm(res, fn)
+    a = mhc.pre_epilogue(mix, sq, res, scale, base, **PRE_KW)
+    b = mhc.pre_epilogue_splits(mix, sq, res, scale, base, **PRE_KW)
+    for nm_, x, y in zip(("layer_input", "post", "comb"), a, b):
+        _assert_rows_equal(x, y, f"one-split epilogues: {nm_}")
+    mix4, sq4 = mhc.prenorm_gemm(res, fn, splits=4)
+    c = mhc.pre_epilogue(mix4, sq4, res, scale, base, **PRE_KW)
+    d = mhc.pre_epilogue_splits(mix4, sq4, res, scale, base, **PRE_KW)
+    assert torch.allclose(c[1], d[1], rtol=1e-6, atol=1e-7) and torch.allclose(c[2], d[2], rtol=1e-5, atol=1e-7)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ("bf16x3_s112",))
+def test_triton_hc_head_variant_victim(seeded, name):
+    g = seeded()
+    H = 512
+    fn, scale, base = _head_weights(g, H)
+    res = _streams(g, 4, H)
+    out = mhc.hc_head(res, fn, scale, base, backend="triton", variant=name)
+    r = ref.hc_head_ref(res, fn, scale, base)
+    ulp = (out.view(torch.int16).int() - r.view(torch.int16).int()).abs()
+    assert ulp.max() <= 1 and (ulp != 0).float().mean() < 0.02
+    alone = mhc.hc_head(res[2:3].contiguous(), fn, scale, base, backend="triton", variant=name)
+    for T, pos in ((5, 4),):
+        batch = _streams(g, T, H)
+        batch[pos] = res[2]
+        _assert_rows_equal(mhc.hc_head(batch, fn, scale, base, backend="triton", variant=name)[pos], alone[0],
+                           f"hc_head {name}: victim at {pos} of T={T}")
+    for T, pos in ((17, 0), (65, 64)):  # the projection partials across the row-block boundary
+        batch = _streams(g, T, H)
+        batch[pos] = res[2]
+        mix, sq = mhc.prenorm_gemm_splitk(batch, fn, name)
+        mix_a, sq_a = mhc.prenorm_gemm_splitk(res[2:3].contiguous(), fn, name)
+        _assert_rows_equal(mix[:, pos], mix_a[:, 0], f"hc_head {name}: partials at {pos} of T={T}")
+        _assert_rows_equal(sq[:, pos], sq_a[:, 0], f"hc_head {name}: sqrsum at {pos} of T={T}")
+
+
 # ----------------------------------------------------------------------------------- bad input
 
 
@@ -321,6 +478,10 @@ def test_bad_inputs_raise_clear_errors():
         (lambda: mhc.hc_head(res, fn[:4], scale, base[:4]), "hc_scale must be fp32 \\[1\\]"),
         (lambda: mhc.hc_head(res, fn, scale[:1], base[:4]), "fn must be fp32"),
         (lambda: mhc.hc_head(res, fn[:4], scale[:1], base), "hc_base must be fp32"),
+        (lambda: mhc.mhc_pre(res, fn, scale, base, variant="bf16x3_s7"), "unknown variant"),
+        (lambda: mhc.hc_head(res, fn[:4], scale[:1], base[:4], variant=3), "unknown variant"),
+        (lambda: mhc.mhc_pre(res, fn, scale, base, variant=mhc.PrenormVariant("x", 0, "tf32")), "splits"),
+        (lambda: mhc.mhc_pre(res, fn, scale, base, variant=mhc.PrenormVariant("x", 4, "fp16")), "precision"),
     ]
     for fn_call, text in cases:
         with pytest.raises(ValueError, match=text):
