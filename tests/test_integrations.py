@@ -913,6 +913,9 @@ def test_dsv4_decode_rows_equal_prefill_rows(seeded, cr):
         topk_local=None if d["topk"] is None else d["topk"][perm], compressed_block_table=d["cbt"][perm],
         compressed_block_size=d["cbs"], swa_block_table=d["sbt"][perm], swa_block_size=d["sbs"])
     kv, idx = zv.dsv4_decode_workspace(ent, d["scache"], d["sbs"], d["ccache"], d["cbs"])
+    kv2, idx2 = zv.dsv4_decode_workspace(ent, d["scache"], d["sbs"], d["ccache"], d["cbs"], top_k=d["top_k"],
+                                         window_size=d["window"])  # the lean form the adapter uses
+    assert torch.equal(idx2, idx) and torch.equal(kv2.view(torch.int16), kv.view(torch.int16))
     assert kv.shape == (T, width, zv.DSV4_HEAD_DIM) and idx.shape == (T, 1, width) and kv.dtype == torch.bfloat16
     flat = kv.view(-1, zv.DSV4_HEAD_DIM)
     for i in range(T):

@@ -766,27 +766,51 @@ def dsv4_decode_entries(positions: torch.Tensor, token_to_req: torch.Tensor, is_
 
 
 def dsv4_decode_workspace(entries, swa_k_cache: torch.Tensor, swa_block_size: int,
-                          compressed_k_cache: torch.Tensor | None, compressed_block_size: int):
+                          compressed_k_cache: torch.Tensor | None, compressed_block_size: int, *,
+                          top_k: int | None = None, window_size: int | None = None):
     """BF16 workspace ``[T, width, 512]`` and FlashMLA indices ``[T, 1, width]`` (row ``t * width + j`` for
     ``j < lens[t]``, ``-1`` after, as vLLM pads) for the entries of :func:`dsv4_decode_entries`. Rows past
-    a token's length are zero."""
+    a token's length are zero. With ``top_k`` / ``window_size`` (the values the entries were built with) each
+    cache is dequantised only where its entries can be (compressed: the first ``top_k`` columns; SWA: the
+    ``window_size`` entries after the token's top-k), then scattered into place: the same rows, less work."""
     from_swa, blk, off, lens = entries
     T, W = blk.shape
-    zero = torch.zeros_like(blk)
-    if compressed_k_cache is None:
-        kv = dsv4_dequant_rows(swa_k_cache, swa_block_size, blk, off)
-    else:  # each cache is read only at its own entries (the others read its slot 0 and are discarded)
-        kv = dsv4_dequant_rows(swa_k_cache, swa_block_size, torch.where(from_swa, blk, zero),
-                               torch.where(from_swa, off, zero))
-        kc = dsv4_dequant_rows(compressed_k_cache, compressed_block_size, torch.where(from_swa, zero, blk),
-                               torch.where(from_swa, zero, off))
-        kv = torch.where(from_swa.unsqueeze(-1), kv, kc)
-    j = torch.arange(W, device=blk.device).view(1, W)
-    live = j < lens.view(T, 1).long()
-    kv = torch.where(live.unsqueeze(-1), kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
-    rows = torch.arange(T, device=blk.device).view(T, 1) * W + j
-    idx = torch.where(live, rows, torch.full_like(rows, -1)).to(torch.int32)
-    return kv, idx.view(T, 1, W)
+    dev = blk.device
+    j = torch.arange(W, device=dev).view(1, W)
+    lens_l = lens.view(T, 1).long()
+    rows = torch.arange(T, device=dev).view(T, 1) * W + j
+    idx = torch.where(j < lens_l, rows, torch.full_like(rows, -1)).to(torch.int32)
+    if top_k is None or window_size is None:  # plain form: dequantise every column from both caches
+        zero = torch.zeros_like(blk)
+        if compressed_k_cache is None:
+            kv = dsv4_dequant_rows(swa_k_cache, swa_block_size, blk, off)
+        else:  # each cache is read only at its own entries (the others read its slot 0 and are discarded)
+            kv = dsv4_dequant_rows(swa_k_cache, swa_block_size, torch.where(from_swa, blk, zero),
+                                   torch.where(from_swa, off, zero))
+            kc = dsv4_dequant_rows(compressed_k_cache, compressed_block_size, torch.where(from_swa, zero, blk),
+                                   torch.where(from_swa, zero, off))
+            kv = torch.where(from_swa.unsqueeze(-1), kv, kc)
+        live = j < lens_l
+        kv = torch.where(live.unsqueeze(-1), kv, torch.zeros((), dtype=kv.dtype, device=kv.device))
+        return kv, idx.view(T, 1, W)
+    ws = torch.zeros(T * W + 1, DSV4_HEAD_DIM, dtype=torch.bfloat16, device=dev)  # last row: dump
+    dump = T * W
+    topk_len = (~from_swa).sum(dim=1, keepdim=True)  # from_swa is (column >= topk_len)
+    kc_cols = min(int(top_k), W)
+    if compressed_k_cache is not None and kc_cols > 0:
+        jc = j[:, :kc_cols]
+        live_c = (jc < topk_len) & (jc < lens_l)
+        vals = dsv4_dequant_rows(compressed_k_cache, compressed_block_size,
+                                 torch.where(live_c, blk[:, :kc_cols], 0), torch.where(live_c, off[:, :kc_cols], 0))
+        ws[torch.where(live_c, rows[:, :kc_cols], dump).reshape(-1)] = vals.reshape(-1, DSV4_HEAD_DIM)
+    ws_cols = min(int(window_size), W)
+    col = topk_len + torch.arange(ws_cols, device=dev).view(1, ws_cols)
+    live_s = col < lens_l
+    colc = col.clamp(max=W - 1)
+    vals = dsv4_dequant_rows(swa_k_cache, swa_block_size, torch.where(live_s, blk.gather(1, colc), 0),
+                             torch.where(live_s, off.gather(1, colc), 0))
+    ws[torch.where(live_s, rows.gather(1, colc), dump).reshape(-1)] = vals.reshape(-1, DSV4_HEAD_DIM)
+    return ws[:dump].view(T, W, DSV4_HEAD_DIM), idx.view(T, 1, W)
 
 
 def dsv4_decode_attention(layer: Any, q: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor | None,
@@ -839,6 +863,7 @@ def dsv4_decode_attention(layer: Any, q: torch.Tensor, positions: torch.Tensor, 
         compress_ratio=cr if not swa_only else 1, top_k=top_k, window_size=int(layer.window_size), width=width,
         topk_local=topk_local, compressed_block_table=cbt, compressed_block_size=cbs,
         swa_block_table=swa_metadata.block_table[:num_decodes], swa_block_size=int(swa_metadata.block_size))
-    kv, idx = dsv4_decode_workspace(entries, swa_cache, int(swa_metadata.block_size), ccache, cbs)
+    kv, idx = dsv4_decode_workspace(entries, swa_cache, int(swa_metadata.block_size), ccache, cbs, top_k=top_k,
+                                    window_size=int(layer.window_size))
     sparse_fwd(q=q, kv=kv.view(-1, 1, kv.shape[-1]), indices=idx, sm_scale=layer.scale,
                attn_sink=layer.attn_sink, topk_length=entries[3], out=output)
