@@ -644,3 +644,112 @@ def test_gpu_cuda_graph_replay_equals_eager():
         for name, a, b in zip(("layer_input", "post", "comb", "new_streams"),
                               (*out, out_post), (*eager, eager_post)):
             _assert_rows_equal(a, b, f"graph replay {rnd}: {name}")
+
+
+# ------------------------------------------------------------- GPU: split-K variants (opt-in)
+
+GPU_VARIANTS = [n for n, v in mhc.VARIANTS.items() if v.precision != "fp32_legacy"]
+
+
+def _projection_error(res, fn, name):
+    """max |sum of partials - exact| / sum |x_k w_mk| over tokens and mixes, and the sqrsum's relative error."""
+    mix, sq = mhc.prenorm_gemm_splitk(res, fn, name)
+    x = res.reshape(res.shape[0], -1).double()
+    exact = x @ fn.double().t()
+    mag = (x.abs() @ fn.double().abs().t()).clamp_min(1e-300)
+    err = ((mix.double().sum(0) - exact).abs() / mag).max().item()
+    sq_exact = (x * x).sum(-1).clamp_min(1e-300)
+    sq_err = ((sq.double().sum(0) - sq_exact).abs() / sq_exact).max().item()
+    return err, sq_err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_VARIANTS)
+def test_gpu_variant_victim_in_batch_accuracy_and_control(name):
+    """Every opt-in variant: victim-in-batch for T = 1..1000 at several positions (2 rounds), projection
+    accuracy against float64, outputs close to the reference, and the stock split-from-T negative control
+    on the same victim."""
+    H = 7168
+    v = mhc.VARIANTS[name]
+    g, fn, scale, base, victim = _gpu_case(H, 21)
+    alone = mhc.mhc_pre(victim, fn, scale, base, variant=name)
+    for rnd in range(2):
+        for T in GPU_TS:
+            batch = _streams(g, T, H, "cuda")
+            positions = sorted({0, T // 2, T - 1, (37 * rnd + 5) % T})
+            for pos in positions:
+                batch[pos] = victim[0]
+            out = mhc.mhc_pre(batch, fn, scale, base, variant=name)
+            for pos in positions:
+                for nm_, a, b in zip(("layer_input", "post", "comb"), out, alone):
+                    _assert_rows_equal(a[pos], b[0], f"{name} {nm_}: victim at {pos} of T={T}, round {rnd}")
+    # accuracy (tf32 rounds the weights to 10 mantissa bits; the others keep fp32-class products)
+    res = _streams(g, 64, H, "cuda", adversarial=False)
+    err, sq_err = _projection_error(res, fn, name)
+    bound = 2.0**-8 if v.precision == "tf32" else 2.0**-12
+    assert err < bound, f"{name}: projection error {err:.3g} of sum|x*w| (bound {bound:.3g})"
+    assert sq_err < 2.0**-12, f"{name}: sqrsum relative error {sq_err:.3g}"
+    li, post, comb = mhc.mhc_pre(res, fn, scale, base, variant=name)
+    li_r, post_r, comb_r = ref.mhc_pre_ref(res.cpu(), fn.cpu(), scale.cpu(), base.cpu())
+    p_atol, c_atol = (2e-4, 2e-3) if v.precision == "tf32" else (1e-5, 1e-5)
+    assert torch.allclose(post.cpu(), post_r, rtol=1e-4, atol=p_atol), \
+        f"{name}: post max diff {(post.cpu() - post_r).abs().max().item():.3g}"
+    assert torch.allclose(comb.cpu(), comb_r, rtol=1e-4, atol=c_atol), \
+        f"{name}: comb max diff {(comb.cpu() - comb_r).abs().max().item():.3g}"
+    _assert_close_bf16(li.cpu(), li_r)
+    # negative control on the same victim: the stock split count from T changes its bits, ours does not
+    big = _streams(g, 1000, H, "cuda")
+    big[500] = victim[0]
+    a = mhc.mhc_pre_split_baseline(victim, fn, scale, base)
+    b = mhc.mhc_pre_split_baseline(big, fn, scale, base)
+    n_diff = sum((x[0] != y[500]).sum().item() for x, y in zip(a, b))
+    assert n_diff > 0, "negative control failed: the stock split gave the same bits at T=1 and T=1000"
+    ours = mhc.mhc_pre(big, fn, scale, base, variant=name)
+    for nm_, x, y in zip(("layer_input", "post", "comb"), ours, alone):
+        _assert_rows_equal(x[500], y[0], f"{name} {nm_}: victim at 500 of T=1000 (control inputs)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["ieee_s112", "tf32_s112", "bf16x3_s32", "bf16x3_s112", "tf32x3_s32"])
+def test_gpu_hc_head_variant_victim(name):
+    H = 7168
+    g = torch.Generator().manual_seed(22)
+    fn, scale, base = _head_weights(g, H, "cuda")
+    victim = _streams(g, 1, H, "cuda", adversarial=False)
+    alone = mhc.hc_head(victim, fn, scale, base, variant=name)
+    _assert_close_bf16(alone.cpu(), ref.hc_head_ref(victim.cpu(), fn.cpu(), scale.cpu(), base.cpu()))
+    for rnd in range(2):
+        for T in GPU_TS:
+            batch = _streams(g, T, H, "cuda")
+            pos = (7 * rnd + T // 3) % T
+            batch[pos] = victim[0]
+            _assert_rows_equal(mhc.hc_head(batch, fn, scale, base, variant=name)[pos], alone[0],
+                               f"hc_head {name}: victim at {pos} of T={T}, round {rnd}")
+    # negative control: a torch fp32 eager projection (cuBLAS) gives other mixing logits than the variant
+    batch = _streams(g, 64, H, "cuda")
+    eager = batch.reshape(64, -1).float() @ fn.t()
+    mix, _ = mhc.prenorm_gemm_splitk(batch, fn, name)
+    assert not torch.equal(eager, mix.sum(0)), f"negative control: eager projection matched {name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tf32_s112", "bf16x3_s32"])
+def test_gpu_variant_cuda_graph_replay_equals_eager(name):
+    H = 7168
+    g, fn, scale, base, _ = _gpu_case(H, 23)
+    res = _streams(g, 64, H, "cuda")
+    eager = mhc.mhc_pre(res, fn, scale, base, variant=name)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            mhc.mhc_pre(res, fn, scale, base, variant=name)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mhc.mhc_pre(res, fn, scale, base, variant=name)
+    for rnd in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for nm_, a, b in zip(("layer_input", "post", "comb"), out, eager):
+            _assert_rows_equal(a, b, f"{name} graph replay {rnd}: {nm_}")
