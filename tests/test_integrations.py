@@ -1320,3 +1320,47 @@ def test_megatron_moe_refusals(seeded):
     experts, _, _ = _moe_fixture(g, E=4)
     with pytest.raises(ConfigError, match="router has 8 experts"):
         zm.moe_experts(experts, x, *zm.topk_routing(torch.randn(3, 8), 2), 2)
+
+
+@pytest.mark.gpu
+def test_gpu_megatron_moe_layer_triton_victim_and_value():
+    """On the GPU (Triton kernels): the Megatron MoE hook's output == finish(ops.moe.moe_experts(route(...)),
+    shared) bit for bit, a token's output is the same alone and among 1..127 others at 3 positions (2 rounds),
+    and the STE backward runs and reaches every used expert master."""
+    from zerodiff.ops.moe import MoEWeights, finish, moe_experts, route
+
+    zm = _zd_mod()
+    g = torch.Generator().manual_seed(11)
+    E, H, I, k = 16, 1024, 512, 4
+    experts, fc1, fc2 = _moe_fixture(g, E=E, H=H, I=I, grouped=True)
+    experts = experts.cuda()
+    fc1 = [experts.linear_fc1.get_parameter(f"weight{i}") for i in range(E)]
+    fc2 = [experts.linear_fc2.get_parameter(f"weight{i}") for i in range(E)]
+    layer = _moe_layer(experts, k, clamp=7.0)
+    wr = (torch.randn(E, H, generator=g) * 0.05).to(torch.bfloat16).cuda()
+    xs = (torch.randn(128, H, generator=g) * 2).to(torch.bfloat16).cuda()
+    sh = torch.randn(128, H, generator=g).to(torch.bfloat16).cuda()
+
+    def run(x, s):
+        p, m = zm.topk_routing(zm.router_logits(x, wr), k, score_function="sigmoid")
+        return zm.moe_layer_forward(layer, x, p, m, s)
+
+    out = run(xs, sh)
+    w, ids = route(zm.router_logits(xs, wr).detach(), k, scoring="sigmoid", renormalize=True)
+    dep = MoEWeights.from_master(torch.stack([t.detach() for t in fc1]), torch.stack([t.detach() for t in fc2]))
+    assert torch.equal(out, finish(moe_experts(xs, w, ids, dep, clamp_limit=7.0), sh))
+    for rnd in range(2):
+        v = 3 + 40 * rnd
+        alone = run(xs[v:v + 1], sh[v:v + 1])
+        others = [i for i in range(128) if i != v]
+        for B in (2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128):
+            for at in sorted({0, B // 2, B - 1}):
+                order = others[:B - 1]
+                order.insert(at, v)
+                o = torch.tensor(order, device="cuda")
+                assert torch.equal(run(xs[o], sh[o])[at], alone[0]), (rnd, B, at)
+    x = xs[:33].clone().requires_grad_(True)
+    run(x, sh[:33]).float().square().sum().backward()
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+    assert any(t.grad is not None for t in fc1) and all(
+        (a.grad is None) == (b.grad is None) for a, b in zip(fc1, fc2))
