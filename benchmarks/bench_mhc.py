@@ -15,7 +15,17 @@ mhc_post: ours vs the torch fp32 eager formula (vLLM's ``mhc_post_torch``; TileL
           available without TileLang).
 hc_head:  ours vs torch fp32 eager (the final collapse, once per forward).
 
-Usage: python benchmarks/bench_mhc.py --json out.json [--quick]
+--sweep:  also one row per opt-in split-K variant of ``zerodiff.ops.mhc.VARIANTS`` (``op`` =
+          ``mhc_pre[<variant>]`` / ``hc_head[<variant>]``), timed against the SAME stock measurement as the
+          default row of that shape, with ``gemm_ms`` (projection alone), ``splits``, ``proj_err`` (max
+          |sum of partials - float64| / sum|x*w| over the first 256 tokens) and ``comb_err`` /
+          ``li_max_ulp`` (vs the float64 reference on those tokens). With --quick the sweep times the
+          variants in ``QUICK_SWEEP`` only (keeps the run near 90 s including Triton compiles).
+--aot:    no GPU needed: AOT-compiles every variant's kernels for sm_90a and sm_100a with this Triton
+          and prints registers / stack (spills) / shared memory / which MMA instruction was emitted.
+
+Usage: python benchmarks/bench_mhc.py --json out.json [--quick] [--sweep]
+       python benchmarks/bench_mhc.py --aot
 (The first run may include DeepGEMM JIT compiles, one per distinct stock split count; they happen before
 timing, but count against the wall clock.)
 """
@@ -28,6 +38,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 from common import median_ms, parser, row, write  # noqa: E402
 
 from zerodiff.ops import mhc  # noqa: E402
@@ -58,8 +69,135 @@ def post_torch(lo, res, post, comb):
     return (mixed + post.unsqueeze(-1) * lo.float().unsqueeze(1)).to(torch.bfloat16)
 
 
+#: variants timed by --quick --sweep (the full sweep times every entry of mhc.VARIANTS)
+QUICK_SWEEP = ("ieee_s112", "tf32_s32", "tf32_s112", "bf16x3_s16", "bf16x3_s32", "bf16x3_s112", "tf32x3_s32")
+#: hc_head variants timed by the sweep (its projection has 4 outputs; same kernels)
+HEAD_SWEEP = ("ieee_s112", "tf32_s112", "bf16x3_s32", "bf16x3_s112")
+
+
+def _accuracy(res, fn, scale, base, name):
+    """Projection error and output error of a variant on the first <= 256 tokens (float64 reference)."""
+    r = res[:256].contiguous()
+    mix, _ = mhc.prenorm_gemm_splitk(r, fn, name)
+    x = r.reshape(r.shape[0], -1).double()
+    exact = x @ fn.double().t()
+    mag = (x.abs() @ fn.double().abs().t()).clamp_min(1e-300)
+    proj_err = ((mix.double().sum(0) - exact).abs() / mag).max().item()
+    li, post, comb = mhc.mhc_pre(r, fn, scale, base, variant=name, **KW)
+    li_r, post_r, comb_r = ref.mhc_pre_ref(r, fn, scale, base, **KW)
+    ulp = (li.view(torch.int16).int() - li_r.view(torch.int16).int()).abs().max().item()
+    return dict(proj_err=float(f"{proj_err:.3g}"), comb_err=float(f"{(comb - comb_r).abs().max().item():.3g}"),
+                post_err=float(f"{(post - post_r).abs().max().item():.3g}"), li_max_ulp=ulp)
+
+
+def sweep_rows(res, fn, scale, base, hfn, hscale, hbase, shape, t_stock, stock_name, t_head_stock, names, reps):
+    rows = []
+    K = res.shape[1] * res.shape[2]
+    for name in names:
+        try:
+            mhc.mhc_pre(res, fn, scale, base, variant=name, **KW)
+            t = median_ms(lambda: mhc.mhc_pre(res, fn, scale, base, variant=name, **KW), **reps)
+            t_gemm = median_ms(lambda: mhc.prenorm_gemm_splitk(res, fn, name), **reps)
+            acc = _accuracy(res, fn, scale, base, name)
+            rows.append(row(f"mhc_pre[{name}]", shape, t, t_stock, stock_name, gemm_ms=round(t_gemm, 5),
+                            splits=mhc.variant_splits(K, name)[0], **acc))
+        except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
+            print(f"mhc_pre[{name}] {shape}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            common._MODES.clear()
+            rows.append(dict(op=f"mhc_pre[{name}]", shape=shape, error=f"{type(e).__name__}: {str(e)[:300]}"))
+    for name in HEAD_SWEEP:
+        try:
+            mhc.hc_head(res, hfn, hscale, hbase, variant=name)
+            t = median_ms(lambda: mhc.hc_head(res, hfn, hscale, hbase, variant=name), **reps)
+            rows.append(row(f"hc_head[{name}]", shape, t, t_head_stock,
+                            "torch fp32 eager (TileLang hc_head not available without TileLang)",
+                            splits=mhc.variant_splits(K, name)[0]))
+        except Exception as e:  # noqa: BLE001
+            print(f"hc_head[{name}] {shape}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            common._MODES.clear()
+            rows.append(dict(op=f"hc_head[{name}]", shape=shape, error=f"{type(e).__name__}: {str(e)[:300]}"))
+    return rows
+
+
+def aot_report():
+    """Compile every variant's kernels ahead of time for SM90 / SM100 (no GPU): registers, spills, MMA."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+    def usage(k):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        regs = [x.strip() for x in out.splitlines() if "REG:" in x]
+        return " ".join(regs[0].split()[:2]) if regs else "?"
+
+    def mma(ptx):
+        for ins in ("wgmma", "tcgen05", "mma.sync"):
+            if ins in ptx:
+                return ins
+        return "fma"
+
+    gsig = {"x_ptr": "*bf16", "fn_ptr": "*fp32", "mix_ptr": "*fp32", "sq_ptr": "*fp32", "T": "i32", "K": "i32"}
+    pre_sig = {"mix_ptr": "*fp32", "sq_ptr": "*fp32", "scale_ptr": "*fp32", "base_ptr": "*fp32",
+               "res_ptr": "*bf16", "li_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "T": "i32",
+               "H": "i32", "K": "i32", "rms_eps": "fp32", "pre_eps": "fp32", "sk_eps": "fp32",
+               "post_mult": "fp32", "ITERS": "i32"}
+    head_sig = {"mix_ptr": "*fp32", "sq_ptr": "*fp32", "scale_ptr": "*fp32", "base_ptr": "*fp32",
+                "res_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32", "H": "i32", "K": "i32", "rms_eps": "fp32",
+                "hc_eps": "fp32"}
+
+    def build(fn, sig, const, cc, **opts):
+        return triton.compile(ASTSource(fn=fn, signature=dict(sig, **{c: "constexpr" for c in const}),
+                                        constexprs=const),
+                              target=GPUTarget("cuda", cc, 128), options=dict(enable_fp_fusion=False, **opts))
+
+    epi_done = set()
+    for name, v in mhc.VARIANTS.items():
+        if v.precision == "fp32_legacy":
+            continue
+        for H in (7168, 4096):
+            K = N_HC * H
+            S, bps = mhc.variant_splits(K, name)
+            for nm, what in ((ref.n_mix(N_HC), "pre "), (N_HC, "head")):
+                const = dict(NMIX=nm, BM=v.block_m, BN=mhc._block_n(nm), BK=v.block_k, BPS=bps,
+                             EVEN_K=(K % v.block_k == 0), PREC=v.precision, EXACT=False)
+                for cc in (90, 100):
+                    try:
+                        k = build(mhc._prenorm_splitk_kernel, gsig, const, cc, num_warps=v.warps,
+                                  num_stages=v.stages)
+                        print(f"gemm {what} {name:17s} H={H} S={S:3d} bps={bps:2d} sm_{cc}: {usage(k)} "
+                              f"shared={k.metadata.shared} {mma(k.asm['ptx'])}", flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"gemm {what} {name} H={H} sm_{cc}: FAILED {type(e).__name__}: {str(e)[:300]}")
+            if S in epi_done:
+                continue
+            epi_done.add(S)
+            for kern, sig, what in ((mhc._mhc_pre_epilogue_splits_kernel, pre_sig, "pre "),
+                                    (mhc._hc_head_epilogue_splits_kernel, head_sig, "head")):
+                const = dict(S=S, SP=mhc._pow2_at_least(S), NH=N_HC, BLOCK_H=mhc._EPI_BLOCK_H, EXACT=False)
+                for cc in (90, 100):
+                    try:
+                        k = build(kern, sig, const, cc, num_warps=mhc._EPI_WARPS)
+                        print(f"epi  {what} S={S:3d} sm_{cc}: {usage(k)}", flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"epi  {what} S={S} sm_{cc}: FAILED {type(e).__name__}: {str(e)[:300]}")
+
+
 def main():
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--sweep", action="store_true", help="also time every opt-in split-K variant")
+    p.add_argument("--aot", action="store_true", help="AOT-compile the variant kernels (no GPU): registers/spills")
+    args = p.parse_args()
+    if args.aot:
+        aot_report()
+        return
     if args.quick:
         # few distinct stock split counts (112, 4, 1): each may cost a DeepGEMM JIT compile on a cold cache
         shapes = [(7168, T) for T in (1, 64, 2048, 8192)]
@@ -69,6 +207,7 @@ def main():
         reps = dict(warmup=10, rep=50)
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
+    sweep = []
     for H, T in shapes:
         res, fn, scale, base, lo = inputs(T, H)
         shape = f"T={T} H={H} hc={N_HC}"
@@ -114,9 +253,29 @@ def main():
         t_head_eager = median_ms(lambda: ref.hc_head_ref(res, hfn, hscale, hbase, dtype=torch.float32), **reps)
         rows.append(row("hc_head", shape, t_head, t_head_eager,
                         "torch fp32 eager (TileLang hc_head not available without TileLang)"))
+        if args.sweep:
+            names = QUICK_SWEEP if args.quick else [n for n, v in mhc.VARIANTS.items()
+                                                    if v.precision != "fp32_legacy"]
+            sweep += sweep_rows(res, fn, scale, base, hfn, hscale, hbase, shape, t_stock, stock_name,
+                                t_head_eager, names, reps)
         del res, fn, lo, mix, sq, ours, stock
         torch.cuda.empty_cache()
     write(args.json, "mhc", rows)
+    if args.sweep:
+        # own file (own table columns in benchmarks/report.py): <json stem>_sweep.json beside --json
+        spath = None
+        if args.json:
+            root, ext = os.path.splitext(args.json)
+            spath = f"{root}_sweep{ext or '.json'}"
+        write(spath, "mhc_sweep", sweep)
+        print("\nfastest variant per shape (ours/stock ratio):", flush=True)
+        for op in ("mhc_pre", "hc_head"):
+            for shp in dict.fromkeys(r["shape"] for r in sweep):
+                cand = [r for r in sweep if r["shape"] == shp and r["op"].startswith(op + "[") and "ours_ms" in r]
+                if cand:
+                    best = min(cand, key=lambda r: r["ours_ms"])
+                    print(f"  {op:8s} {shp:24s} {best['op']:26s} {best['ours_ms']:.4f} ms ratio {best['ratio']}",
+                          flush=True)
 
 
 if __name__ == "__main__":
