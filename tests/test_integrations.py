@@ -954,6 +954,8 @@ def test_dsv4_dequant_rows_bits(seeded):
         zv.dsv4_dequant_rows(torch.zeros(4, 100, dtype=torch.uint8), 8, blk[:1] % 4, off[:1])
     with pytest.raises(ConfigError, match="uint8"):
         zv.dsv4_dequant_rows(cache.float(), 8, blk, off)
+    with pytest.raises(ConfigError, match="528 bytes per token"):
+        zv.dsv4_dequant_rows(torch.zeros(4, 8, 528, dtype=torch.uint8), 8, blk[:1] % 4, off[:1])
 
 
 def test_dsv4_decode_attention_adapter(seeded):

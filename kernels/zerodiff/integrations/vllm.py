@@ -671,6 +671,10 @@ def _block_bytes(k_cache: torch.Tensor, block_size: int, what: str) -> torch.Ten
         raise ConfigError(f"zerodiff DSV4 decode: {what} must be [num_blocks, ...] with unit last stride, "
                           f"got shape {tuple(k_cache.shape)} strides {k_cache.stride()}")
     used = int(block_size) * (DSV4_TOKEN_BYTES + DSV4_SCALE_BYTES)
+    if k_cache.dim() == 3 and k_cache.shape[2] != DSV4_TOKEN_BYTES + DSV4_SCALE_BYTES:
+        raise ConfigError(f"zerodiff DSV4 decode: {what} has {k_cache.shape[2]} bytes per token; only the fp8_ds_mla "
+                          f"layout ({DSV4_TOKEN_BYTES + DSV4_SCALE_BYTES}: 448 e4m3 + 64 bf16 + 8 scale bytes) is "
+                          "supported")
     if k_cache.dim() == 3 and (k_cache.shape[1] != block_size or k_cache.stride(1) != k_cache.shape[2]):
         raise ConfigError(f"zerodiff DSV4 decode: {what} shape {tuple(k_cache.shape)} / strides "
                           f"{k_cache.stride()} do not hold {block_size} tokens of {DSV4_TOKEN_BYTES + DSV4_SCALE_BYTES} "
