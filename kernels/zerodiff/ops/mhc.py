@@ -42,12 +42,68 @@ above; the projection / sum of squares / normalisation / aggregation contract is
 split count from the token count as vLLM computes it, partial sums added in split order, then the same
 epilogue. Its bits depend on T; ours do not.
 
-Performance note (unmeasured here; see ``benchmarks/bench_mhc.py``): with one split, a small batch
-(T <= 16 is one program) streams the whole projection weight (24 x n*H fp32: 1.5 MB at H 4096, 2.75 MB at
-H 7168) through one SM, where upstream spreads it over up to 112 programs. Any split count that is a
-constant (not a function of T) is equally batch-invariant: ``prenorm_gemm(splits=S)`` + ``pre_epilogue``
-add S partials in split order, and the benchmark times S = 8 and 16. Changing :data:`FIXED_SPLITS` is a
-contract change (values change, invariance does not) and must be made on both sides at once.
+Variants (opt-in, ``variant=`` keyword / :data:`DEFAULT_VARIANT`)
+-----------------------------------------------------------------
+The default stays ``"fp32_s1"`` (the contract above, verified on the H200). :data:`VARIANTS` holds
+batch-invariant alternatives of the projection, selected by name (``mhc_pre(..., variant="bf16x3_s32")``,
+``hc_head(..., variant=...)``); each is ONE fixed configuration per model shape:
+
+* Split count ``S = variant_splits(n*H, variant)[0]``: the requested count rounded so every split holds
+  the same whole number ``bps`` of ``block_k``-blocks (H 7168: S = 16/32/64/112 exactly, bps = 28/14/7/4;
+  H 4096: 112 -> 64). A function of K only, never of T: any S fixed by the model shape is as
+  batch-invariant as S = 1 (the property the DESIGN row "split count fixed at 1" protects).
+* Partial ``s``: blocks ``s*bps .. s*bps+bps-1`` in increasing k, each one ``tl.dot`` into an fp32
+  accumulator; the sum of squares in fp32 (exact squares, a ``tl.sum`` per block, blocks in order).
+  Rows are tiled ``block_m`` at a time (64; 16 for ``ieee``); no value crosses rows.
+* Products per block by ``precision``: ``ieee`` fp32 FMA (same class as the default); ``tf32`` tensor
+  cores with the fp32 weights rounded to TF32 (x is bf16: exact in TF32) - the precision upstream serves
+  with (DeepGEMM ``tf32_hc_prenorm_gemm``); ``bf16x3``: each fp32 weight split EXACTLY into three bf16
+  pieces by truncation (w = w1 + w2 + w3, 8+8+8 significant bits, exact for normal weights) and three
+  bf16 tensor-core products with exact fp32 products, the w1 term in one accumulator and the w2, w3
+  terms in a second one, added once at the end: fp32-class accuracy at tensor-core speed (the pieces are
+  derived in the kernel every call, so in-place weight updates under CUDA graphs stay correct);
+  ``tf32x3``: Triton's 3-pass TF32 (x's low part is zero, so one pass is wasted; kept for comparison).
+* Epilogue: the S partials of a token are loaded at once and summed by one ``tl.sum`` tree per output
+  (its order pinned by S, the padded width and the launch config, never by T), then the gates, Sinkhorn
+  and aggregation exactly as above. With S = 1 it is the verified epilogue bit for bit (CPU-tested).
+* Each variant's values differ from the default's in the last bits (another summation order; TF32
+  also in accuracy), so switching :data:`DEFAULT_VARIANT` / :data:`DEFAULT_HEAD_VARIANT` is a contract
+  change that rollout and training make at once (both read these constants) and re-verify on the GPU.
+* Accuracy cost of TF32 vs fp32: the weights keep 10 explicit mantissa bits (relative error 2^-11 per
+  product with round-to-nearest, 2^-10 if truncated), so the projection error is up to ~1e-3 of
+  sum|x*w| versus ~1e-6 for fp32 FMA; measured on the H200 (stock TF32 vs our fp32): max |comb| diff
+  1.6e-4. ``bf16x3`` and ``tf32x3`` stay at fp32-class error. The sweep reports ``proj_err`` /
+  ``comb_err`` / ``li_max_ulp`` per variant.
+
+Performance analysis (H 7168, hc 4: K = n*H = 28672, 24 mixes; H200, 2026-11-30)
+---------------------------------------------------------------------------------
+* Bytes per call: weight 24 x 28672 x 4 B = 2.75 MB (DRAM once, then L2); x = 57 KB per token, read by
+  the projection and again by the aggregation; the bf16 output 14 KB per token; S partials 100 B per
+  token and split (written and read back). T=1: ~2.9 MB (<1 us of bandwidth: launch / latency bound).
+  T=8192: 470 + 470 + 117 MB = 1.06 GB, ~0.22-0.26 ms at 4-4.8 TB/s - the stock's measured 0.272 ms
+  (DeepGEMM, split 1, + our epilogue) sits on that bound.
+* FLOPs per call: 2 x T x K x 24 = 1.38 MFLOP per token (11.3 GFLOP at T=8192; 15 with the mix width
+  padded to 32). fp32 FMA peak (~67 TFLOPS) would need 0.17 ms at T=8192; TF32 (~495) 0.03 ms; bf16x3
+  (3 x bf16 at ~990) 0.045 ms: only tensor cores leave the prefill memory-bound.
+* Measured default (fp32_s1): 1.07 ms at T=1 and 64, 1.12 at 2048, 4.30 at 8192 (stock 0.034 / 0.030 /
+  0.086 / 0.272), of which the projection 1.06-4.16 ms and the epilogue 0.014-0.15 ms. The projection
+  time is (waves of programs) x 448 serial k-blocks x ~2.4 us per block: one program per 16 rows walks
+  all of K with a masked (scalar) load and a CUDA-core fp32 dot per block; T <= 2048 is < 1 wave (same
+  1.07 ms), T = 8192 is 4 waves (4.16 ms). fixed8 / fixed16 (0.147 / 0.083 ms at T=1) scale as 1/S,
+  confirming the per-program serial walk; at T=2048+ they did not help because the FMA dot is the
+  limit (3.6 TFLOPS achieved).
+* What the variants change: (1) S fixed by K spreads decode over S programs (112 x 4 blocks instead of
+  1 x 448): predicted projection ~3-6 us at T <= 64, i.e. mhc_pre ~0.02-0.03 ms with the ~14 us
+  epilogue (stock 0.030-0.034); (2) unmasked (EVEN_K) vectorised loads; (3) tensor cores (TF32 / bf16x3)
+  so the prefill projection is bound by reading x (0.1 ms at T=8192) rather than by FMA throughput;
+  with the partials (S x 0.82 MB per 8192 tokens, x2) and the 0.15 ms epilogue, predicted mhc_pre at
+  T=8192 ~0.27-0.30 ms for S = 16-32 (~0.31 for S = 112) vs stock 0.272, and at T=2048 ~0.08-0.1 ms vs
+  0.086. hc_head gets the same projection (4 mixes, tile width 16): predicted ~0.02 ms at T=1 (1.06 ms
+  now, torch eager 0.046). AOT (Triton 3.8, sm_90a): tensor-core variants 168-174 registers with 8
+  warps (4 warps: 255), no spills, ``wgmma``; sm_100a ``tcgen05``; ``benchmarks/bench_mhc.py --aot``.
+* Recommended switch (pending the sweep): ``DEFAULT_VARIANT = DEFAULT_HEAD_VARIANT = "bf16x3_s<S>"``
+  with the S whose worst ratio over T is best (expected 32 or 112); ``tf32_s<S>`` if bf16x3 is
+  measurably slower and TF32 accuracy (upstream's own) is accepted. Never choose S from T.
 
 Bad input raises ``ValueError`` naming the argument: wrong dtype / rank / shape, ``hc_mult`` not in
 (1, 2, 4) for pre / head (not a power of two <= 8 for post), tensors on different devices, ``sinkhorn_iters < 1``, an unknown backend, or a
@@ -542,9 +598,13 @@ def _v(name, splits, precision, **kw):
 VARIANTS: dict[str, PrenormVariant] = dict([
     _v("fp32_s1", 1, "fp32_legacy", block_m=_GEMM_BM, block_k=_GEMM_BK, warps=_GEMM_WARPS),
     *[_v(f"ieee_s{S}", S, "ieee", block_m=16) for S in (16, 32, 64, 112)],
-    *[_v(f"tf32_s{S}", S, "tf32") for S in (16, 32, 64, 112)],
-    *[_v(f"bf16x3_s{S}", S, "bf16x3") for S in (16, 32, 64, 112)],
-    *[_v(f"tf32x3_s{S}", S, "tf32x3") for S in (32, 112)],
+    # tensor-core variants: 8 warps (AOT sm_90a: 168-174 registers, no spill; 4 warps hit 255)
+    *[_v(f"tf32_s{S}", S, "tf32", warps=8) for S in (16, 32, 64, 112)],
+    *[_v(f"bf16x3_s{S}", S, "bf16x3", warps=8) for S in (16, 32, 64, 112)],
+    *[_v(f"tf32x3_s{S}", S, "tf32x3", warps=8) for S in (32, 112)],
+    _v("tf32_s32_w4", 32, "tf32", warps=4),
+    _v("bf16x3_s32_w4", 32, "bf16x3", warps=4),
+    _v("bf16x3_s32_bm128", 32, "bf16x3", block_m=128, warps=8),
 ])
 
 #: the variant mhc_pre / hc_head use when ``variant=None``. Changing it changes values (not invariance)
