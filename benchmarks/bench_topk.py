@@ -1,8 +1,13 @@
 """Micro-benchmark: zerodiff deterministic Top-K vs stock ``torch.topk`` (the baseline for DSA and routing).
 
     python benchmarks/bench_topk.py --json topk.json [--quick] [--sweep]
+    python benchmarks/bench_topk.py --aot        (no GPU: compile every variant for sm_90a / sm_100a, registers)
 
-(--sweep adds a few minutes: other CHUNK/DIGIT/num_warps configs of our kernel at width 64K, for tuning)
+Every DSA shape is timed for both designs in the same run against the same ``torch.topk``: op
+``topk_dsa`` is the public entry point with the default VARIANT, ``topk_dsa[single]`` / ``topk_dsa[split]``
+force one design. ``--sweep`` (a few minutes) adds ``topk_dsa_sweep`` rows: configs of the single kernel
+(CHUNK/DIGIT/num_warps) and every ``SPLIT_CANDIDATES`` entry of the split variant at widths 8K and 64K,
+rows 1/64/1024, each with ``equal_to_reference`` (bitwise vs the default path on the same inputs).
 
 DSA indexer rows: fp32 scores [rows, width], width 8K/16K/32K/64K, k=2048, every row full length.
 Expert routing: fp32 logits [tokens, 256], k=8, selected scores returned too.
@@ -23,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median_ms, parser, row, write  # noqa: E402
 
+import zerodiff.ops.topk as T  # noqa: E402
 from zerodiff.ops.topk import _config, _topk_triton, deterministic_topk, topk_routing  # noqa: E402
 
 
@@ -54,12 +60,122 @@ def _graph_fields(ours_fn, stock_fn, rep: int) -> dict:
     return out
 
 
+def sweep(k: int, rep: int) -> list[dict]:
+    """Every config of both designs at widths 8K / 64K, rows 1 / 64 / 1024, against one torch.topk time."""
+    from zerodiff.reference.topk import deterministic_topk_ref
+
+    rows = []
+    for W in (8192, 65536):
+        for R in (1, 64, 1024):
+            s = torch.randn(R, W, device="cuda")
+            s[1::4] = torch.round(s[1::4] * 8) / 8  # some tie-heavy rows (exactness check only)
+            lens = torch.full((R,), W, dtype=torch.int32, device="cuda")
+            ref = deterministic_topk_ref(s[:4].cpu(), k, lens[:4].cpu()).cuda()  # first rows, exact rule
+            t_stock = median_ms(lambda: torch.topk(s, k, dim=1), rep=rep)
+            configs = []
+            for chunk in (2048, 4096, 8192):
+                for digit in (8, 11):
+                    for warps in (8, 16):
+                        configs.append((f"single chunk={chunk} digit={digit} warps={warps}",
+                                        dict(variant="single", chunk=chunk, digit=digit, num_warps=warps)))
+            for cand in T.SPLIT_CANDIDATES:
+                cfg = T.split_candidate(W, cand)
+                configs.append((f"split {cand['name']} {dict(T._split_config(W), **cfg)}",
+                                dict(variant="split", split=cfg)))
+            for label, kw in configs:
+                def f(kw=kw):
+                    return _topk_triton(s, k, lens, False, **kw)
+
+                try:
+                    same = bool(torch.equal(f()[:4], ref))
+                    t = median_ms(f, rep=max(10, rep // 2))
+                except Exception as e:  # a config that does not compile/run is reported, not fatal
+                    print(f"  sweep {label}: {type(e).__name__}: {e}", flush=True)
+                    rows.append(dict(op="topk_dsa_sweep", shape=f"rows={R} width={W} {label}",
+                                     error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    continue
+                rows.append(row("topk_dsa_sweep", f"rows={R} width={W} {label}", t, t_stock, "torch.topk",
+                                equal_to_reference=same))
+            del s
+    return rows
+
+
+def aot_report() -> None:
+    """Compile both designs for sm_90a / sm_100a without a GPU; print registers, spills, shared memory."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+    def usage(kern):
+        try:
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+                fh.write(kern.asm["cubin"])
+                fh.flush()
+                txt = subprocess.run([tool, "-res-usage", fh.name], capture_output=True, text=True).stdout
+            return " ".join(x.strip() for x in txt.splitlines() if "REG:" in x)[:70]
+        except Exception as e:  # pragma: no cover
+            return f"(no cuobjdump: {e})"
+
+    def comp(fn, sig, cx, warps, cc):
+        sig = dict(sig, **{key: "constexpr" for key in cx})
+        return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", cc, 32),
+                              options=dict(num_warps=warps, enable_fp_fusion=False))
+
+    single = {"s_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": "*i32", "osc_ptr": "*fp32", "W": "i32", "k": "i32",
+              "stride_r": "i64"}
+    h_sig = {"s_ptr": "*fp32", "len_ptr": "*i32", "tot_ptr": "*i32", "W": "i32", "stride_r": "i64"}
+    c_sig = {"s_ptr": "*fp32", "len_ptr": "*i32", "tot_ptr": "*i32", "bx_ptr": "*fp32", "bp_ptr": "*i32",
+             "cnt_ptr": "*i32", "W": "i32", "k": "i32", "NS": "i32", "stride_r": "i64"}
+    f_sig = {"bx_ptr": "*fp32", "bp_ptr": "*i32", "cnt_ptr": "*i32", "tot_ptr": "*i32", "out_ptr": "*i32",
+             "osc_ptr": "*fp32", "k": "i32", "NS": "i32"}
+    for cc in (90, 100):
+        for W in (8192, 65536):
+            chunk, digit, warps = _config(W)
+            kern = comp(T._topk_kernel, single, dict(HAS_LEN=True, RET_SCORES=False, CHUNK=chunk, DIGIT=digit,
+                        NPASS=(32 + digit - 1) // digit, NB=1 << digit, HIST_MASK=True), warps, cc)
+            print(f"single  sm_{cc} W={W} {(chunk, digit, warps)}: {usage(kern)} smem={kern.metadata.shared}",
+                  flush=True)
+            seen = set()
+            for cand in T.SPLIT_CANDIDATES:
+                cfg = dict(T._split_config(W), **T.split_candidate(W, cand))
+                ns = -(-W // cfg["SW"])
+                sp = 1 << (ns - 1).bit_length()
+                parts = (("hist", T._split_hist_kernel, h_sig,
+                          dict(HAS_LEN=True, SW=cfg["SW"], D0=cfg["D0"], HIST_MASK=True), cfg["W1"]),
+                         ("compact", T._split_compact_kernel, c_sig,
+                          dict(HAS_LEN=True, SW=cfg["SW"], D0=cfg["D0"]), cfg["W2"]),
+                         ("finish", T._split_finish_kernel, f_sig,
+                          dict(RET_SCORES=False, SW=cfg["SW"], SP=sp, D0=cfg["D0"], D=cfg["D"],
+                               NP=(32 - cfg["D0"]) // cfg["D"], CH=cfg["CH"], HIST_MASK=True), cfg["W3"]))
+                for name, fn, sig, cx, warps in parts:
+                    key = (name, tuple(sorted(cx.items())), warps)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    try:
+                        kern = comp(fn, sig, cx, warps, cc)
+                        msg = f"{usage(kern)} smem={kern.metadata.shared}"
+                    except Exception as e:
+                        msg = f"FAILED {type(e).__name__}: {str(e)[:300]}"
+                    print(f"{name:7s} sm_{cc} W={W} {cand['name']} {cx} warps={warps}: {msg}", flush=True)
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true",
-                   help="also time other (CHUNK, DIGIT, num_warps) configs of our kernel at width 64K, to tune "
-                        "_config (which must stay a function of the width only)")
+                   help="also time every config of both designs (single: CHUNK/DIGIT/num_warps; split: "
+                        "SPLIT_CANDIDATES) at widths 8K/64K; configs stay functions of the width only")
+    p.add_argument("--aot", action="store_true", help="no GPU: compile every variant for sm_90a/sm_100a")
     args = p.parse_args()
+    if args.aot:
+        aot_report()
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_topk needs a CUDA device")
     torch.manual_seed(0)
@@ -90,7 +206,22 @@ def main() -> None:
             phase = "decode" if R <= 128 else "prefill"
             out.append(row("topk_dsa", f"rows={R} width={W} k={k}", t_ours, t_stock, "torch.topk",
                            phase=phase, target=1.3 if phase == "decode" else 1.1, same_set_as_stock=same_set,
-                           **_graph_fields(f_ours, f_stock, rep)))
+                           variant=T.VARIANT, **_graph_fields(f_ours, f_stock, rep)))
+            for variant in T.VARIANTS:  # both designs, same inputs, same stock time
+                def f_var(variant=variant):
+                    return _topk_triton(s, k, lens, False, variant=variant)
+
+                try:
+                    same = bool(torch.equal(f_var(), ours))
+                    t_var = median_ms(f_var, rep=rep)
+                except Exception as e:  # a variant that fails is reported, never fatal to the run
+                    print(f"  variant {variant}: {type(e).__name__}: {e}", flush=True)
+                    out.append(dict(op=f"topk_dsa[{variant}]", shape=f"rows={R} width={W} k={k}",
+                                    error=f"{type(e).__name__}: {str(e)[:300]}"))
+                    continue
+                out.append(row(f"topk_dsa[{variant}]", f"rows={R} width={W} k={k}", t_var, t_stock, "torch.topk",
+                               phase=phase, target=1.3 if phase == "decode" else 1.1, equal_to_default=same,
+                               config=str(_config(W) if variant == "single" else T._split_config(W))))
             del s, ours, stock
     E, kr = 256, 8
     for T in tokens:
@@ -109,27 +240,7 @@ def main() -> None:
                        phase=phase, target=1.3 if phase == "decode" else 1.1,
                        **_graph_fields(r_ours, r_stock, rep)))
     if args.sweep:
-        W = 65536
-        for R in (1, 128, 4096):
-            s = torch.randn(R, W, device="cuda")
-            lens = torch.full((R,), W, dtype=torch.int32, device="cuda")
-            ref = deterministic_topk(s, k, lens)
-            t_stock = median_ms(lambda: torch.topk(s, k, dim=1), rep=rep)
-            for chunk in (1024, 2048, 4096, 8192):
-                for digit in (8, 11):
-                    for warps in (4, 8, 16):
-                        def f():
-                            return _topk_triton(s, k, lens, False, chunk=chunk, digit=digit, num_warps=warps)
-                        try:
-                            same = bool(torch.equal(f(), ref))
-                            t = median_ms(f, rep=max(10, rep // 2))
-                        except Exception as e:  # a config that does not compile/run is reported, not fatal
-                            print(f"  sweep chunk={chunk} digit={digit} warps={warps}: {type(e).__name__}: {e}")
-                            continue
-                        out.append(row("topk_dsa_sweep", f"rows={R} width={W} chunk={chunk} digit={digit} "
-                                       f"warps={warps}", t, t_stock, "torch.topk", equal_to_default=same,
-                                       default_config=str(_config(W))))
-            del s
+        out += sweep(k, rep)
     write(args.json, "topk", out)
 
 

@@ -178,12 +178,52 @@ if zt.HAVE_TRITON:
                 tl.store(scrow + o, tl.full([CHUNK], float("-inf"), tl.float32), mask=pm)
 
 
-    # ---- "split" variant: three launches, the row's full scans spread over a fixed number of programs ----
+    # ---- "split" variant: the row's full scans spread over a fixed number of programs per row ----
     @triton.jit
-    def _split_hist_kernel(s_ptr, len_ptr, tot_ptr, W, stride_r,
-                           HAS_LEN: tl.constexpr, SW: tl.constexpr, D0: tl.constexpr, HIST_MASK: tl.constexpr):
-        """Program (row, slice): histogram of the top D0 key bits of the slice's candidates, added into the
-        row's total with integer atomics (exact; the sum does not depend on the order of the adds)."""
+    def _split_state(tot_ptr, row, k, LEVELS: tl.constexpr, D0: tl.constexpr, LV: tl.constexpr):
+        """Replay the radix decisions of the first LEVELS full-row digits from their exact histograms.
+
+        Returns (T, need, done, prefix, kk) like the single kernel's loop: ``done`` = the threshold key T
+        and the number of ties at T to take (need) are final; else ``prefix`` holds the top D0*LEVELS bits
+        of the k-th largest key and ``kk`` how many keys are still to select within that prefix.
+        """
+        bins = tl.arange(0, 1 << D0)
+        T = tl.zeros([], tl.uint32)
+        need = k + tl.zeros([], tl.int32)
+        done = tl.zeros([], tl.int32)
+        prefix = tl.zeros([], tl.uint32)
+        kk = k + tl.zeros([], tl.int32)
+        for lv in tl.static_range(LEVELS):
+            if done == 0:
+                h = tl.load(tot_ptr + (row * LV + lv) * (1 << D0) + bins)
+                n_in = tl.sum(h, axis=0)
+                incl = n_in - tl.cumsum(h, axis=0) + h  # candidates (within the prefix) in bins >= b
+                j = tl.max(tl.where(incl >= kk, bins, -1), axis=0)
+                above = tl.sum(tl.where(bins == j, incl - h, 0), axis=0)
+                hj = tl.sum(tl.where(bins == j, h, 0), axis=0)
+                if lv == 0:  # later levels always hold more candidates than they must select
+                    all_sel = n_in <= kk
+                else:
+                    all_sel = n_in < 0
+                kk_new = kk - above
+                prefix_new = (prefix << D0) | j.to(tl.uint32)
+                exact = hj == kk_new
+                if D0 * (lv + 1) == 32:
+                    exact = exact | True
+                T = tl.where(all_sel, 0, prefix_new << (32 - D0 * (lv + 1))).to(tl.uint32)
+                need = tl.where(all_sel, k, kk_new)
+                done = (all_sel | exact).to(tl.int32)
+                prefix = prefix_new
+                kk = kk_new
+        return T, need, done, prefix, kk
+
+    @triton.jit
+    def _split_hist_kernel(s_ptr, len_ptr, tot_ptr, W, k, stride_r,
+                           HAS_LEN: tl.constexpr, SW: tl.constexpr, D0: tl.constexpr, LEVEL: tl.constexpr,
+                           LV: tl.constexpr, HIST_MASK: tl.constexpr):
+        """Program (row, slice): histogram of full-row digit LEVEL (D0 bits) of the slice's candidates whose
+        higher digits match the prefix of the previous levels, added into the row's level histogram with
+        integer atomics (exact: the sum does not depend on the order of the adds)."""
         row = tl.program_id(0).to(tl.int64)
         sl = tl.program_id(1)
         if HAS_LEN:
@@ -191,37 +231,33 @@ if zt.HAVE_TRITON:
             L = tl.minimum(tl.maximum(L, 0), W)
         else:
             L = W + tl.zeros([], tl.int32)
-        if sl * SW < L:
+        if LEVEL > 0:
+            T, need, done, prefix, kk = _split_state(tot_ptr, row, k, LEVEL, D0, LV)
+        else:
+            done = tl.zeros([], tl.int32)
+            prefix = tl.zeros([], tl.uint32)
+        if (sl * SW < L) & (done == 0):
             LR = tl.minimum(tl.cdiv(L, 16) * 16, W)
             offs = sl * SW + tl.arange(0, SW)
             x = tl.load(s_ptr + row * stride_r + offs, mask=offs < LR, other=0.0)
             m, cand = _row_keys(x, offs < L)
-            b = (m >> (32 - D0)).to(tl.int32)
+            if LEVEL > 0:
+                cand = cand & ((m >> (32 - D0 * LEVEL)) == prefix)
+            b = ((m >> (32 - D0 * (LEVEL + 1))) & ((1 << D0) - 1)).to(tl.int32)
             bins = tl.arange(0, 1 << D0)
             if HIST_MASK:
                 h = tl.histogram(b, 1 << D0, mask=cand)
             else:
                 h = tl.histogram(tl.where(cand, b, 0), 1 << D0)
                 h = h - tl.where(bins == 0, SW - tl.sum(cand.to(tl.int32), axis=0), 0)
-            tl.atomic_add(tot_ptr + row * (1 << D0) + bins, h, mask=h != 0)
-
-    @triton.jit
-    def _split_boundary(tot_ptr, row, k, D0: tl.constexpr):
-        """From the row's top-digit histogram: (n candidates, boundary bin j, candidates above j, size of j)."""
-        bins = tl.arange(0, 1 << D0)
-        h = tl.load(tot_ptr + row * (1 << D0) + bins)
-        n_in = tl.sum(h, axis=0)
-        incl = n_in - tl.cumsum(h, axis=0) + h  # candidates in bins >= b
-        j = tl.max(tl.where(incl >= k, bins, -1), axis=0)
-        above = tl.sum(tl.where(bins == j, incl - h, 0), axis=0)
-        hj = tl.sum(tl.where(bins == j, h, 0), axis=0)
-        return n_in, j, above, hj
+            tl.atomic_add(tot_ptr + (row * LV + LEVEL) * (1 << D0) + bins, h, mask=h != 0)
 
     @triton.jit
     def _split_compact_kernel(s_ptr, len_ptr, tot_ptr, bx_ptr, bp_ptr, cnt_ptr, W, k, NS, stride_r,
-                              HAS_LEN: tl.constexpr, SW: tl.constexpr, D0: tl.constexpr):
-        """Program (row, slice): keep the slice's candidates whose top digit is >= the boundary bin (every
-        candidate when the row has <= k of them), in position order, in the slice's own region."""
+                              HAS_LEN: tl.constexpr, SW: tl.constexpr, D0: tl.constexpr, LV: tl.constexpr):
+        """Program (row, slice): keep the slice's candidates that can still be selected after the LV
+        full-row levels (key >= T when T is final, else key prefix >= the boundary prefix), in position
+        order, in the slice's own region of the scratch; write how many."""
         row = tl.program_id(0).to(tl.int64)
         sl = tl.program_id(1)
         if HAS_LEN:
@@ -231,13 +267,13 @@ if zt.HAVE_TRITON:
             L = W + tl.zeros([], tl.int32)
         n = tl.zeros([], tl.int32)
         if sl * SW < L:
-            n_in, j, above, hj = _split_boundary(tot_ptr, row, k, D0)
-            j = tl.where(n_in <= k, 0, j)
+            T, need, done, prefix, kk = _split_state(tot_ptr, row, k, LV, D0, LV)
+            lowest = tl.where(done != 0, T, prefix << (32 - D0 * LV)).to(tl.uint32)
             LR = tl.minimum(tl.cdiv(L, 16) * 16, W)
             offs = sl * SW + tl.arange(0, SW)
             x = tl.load(s_ptr + row * stride_r + offs, mask=offs < LR, other=0.0)
             m, cand = _row_keys(x, offs < L)
-            keep = cand & ((m >> (32 - D0)).to(tl.int32) >= j)
+            keep = cand & (m >= lowest)
             ki = keep.to(tl.int32)
             slot = tl.cumsum(ki, axis=0) - ki
             base = row * NS * SW + sl * SW
@@ -260,18 +296,13 @@ if zt.HAVE_TRITON:
     @triton.jit
     def _split_finish_kernel(bx_ptr, bp_ptr, cnt_ptr, tot_ptr, out_ptr, osc_ptr, k, NS,
                              RET_SCORES: tl.constexpr, SW: tl.constexpr, SP: tl.constexpr, D0: tl.constexpr,
-                             D: tl.constexpr, NP: tl.constexpr, CH: tl.constexpr, HIST_MASK: tl.constexpr):
+                             LV: tl.constexpr, D: tl.constexpr, NP: tl.constexpr, CH: tl.constexpr,
+                             HIST_MASK: tl.constexpr):
         """Program per row: finish the radix select on the kept list (NP passes of D bits below the top
-        D0 bits), then emit from the list's right end (the list is in position order)."""
+        D0*LV bits), then emit from the list's right end (the list is in position order)."""
         row = tl.program_id(0).to(tl.int64)
         NB: tl.constexpr = 1 << D
-        n_in, j, above, hj = _split_boundary(tot_ptr, row, k, D0)
-        all_sel = n_in <= k
-        kk = k - above
-        T = tl.where(all_sel, 0, j.to(tl.uint32) << (32 - D0)).to(tl.uint32)
-        need = tl.where(all_sel, k, kk)
-        done = (all_sel | (hj == kk)).to(tl.int32)
-        prefix = j.to(tl.uint32)
+        T, need, done, prefix, kk = _split_state(tot_ptr, row, k, LV, D0, LV)
         sidx = tl.arange(0, SP)
         cnts = tl.load(cnt_ptr + row * NS + sidx, mask=sidx < NS, other=0)
         ends = tl.cumsum(cnts, axis=0)
@@ -377,14 +408,42 @@ SPLIT_SCRATCH_BYTES = 256 << 20
 def _split_config(W: int) -> dict:
     """Split-variant configuration from the row width only.
 
-    SW: slice width (one program per slice in the two full-row launches), about W/16 within [1024, 4096];
-    D0: top-digit bits histogrammed over the full row (1024 bins); D: digit of the passes over the kept
-    list (2 passes of 11 bits); CH: chunk of the finishing program; warps per launch.
+    SW: slice width (one program per slice in the full-row launches), about W/16 within [1024, 4096];
+    D0, LV: LV full-row levels of D0-bit digits (2 x 8 bits: two 256-bin histograms over the row);
+    D: digit of the passes over the kept list (32 - D0*LV must be a multiple of D: 2 passes of 8 bits);
+    CH: chunk of the finishing program; W1/W2/W3: warps of the histogram / compaction / finishing launches.
     """
     sw = 1024
     while sw * 16 < W and sw < 4096:
         sw *= 2
-    return dict(SW=sw, D0=10, D=11, CH=512, W1=8 if sw >= 4096 else 4, W2=8 if sw >= 4096 else 4, W3=4)
+    return dict(SW=sw, D0=8, LV=2, D=8, CH=512, W1=8 if sw >= 4096 else 4, W2=8 if sw >= 4096 else 4, W3=4)
+
+
+#: split-config overrides the benchmark sweep times and the GPU tests check (each one exact by
+#: construction; only the speed differs). Key "name" is a label; the rest override _split_config(W).
+SPLIT_CANDIDATES = (
+    dict(name="default"),  # 2 full-row levels of 8 bits, 2 passes of 8 bits over the kept list
+    dict(name="lv1-d0_8", LV=1, D0=8, D=8),  # 1 full-row level: large kept list (whole octave pairs)
+    dict(name="lv1-d0_10-d11", LV=1, D0=10, D=11),  # 1 level of 1024 bins (4.5x the cost per element)
+    dict(name="lv3-d0_8", LV=3, D0=8, D=8),  # 3 full-row levels: tiny kept list, one more row read
+    dict(name="lv2-d0_6-d10", LV=2, D0=6, D=10),  # cheaper row histograms, 1024-bin finish passes
+    dict(name="ch1024", CH=1024),
+    dict(name="ch256", CH=256),
+    dict(name="sw_half", SW="half"),  # twice as many slices (more programs for few rows)
+    dict(name="sw_double", SW="double"),  # half as many slices (fewer, longer programs)
+    dict(name="w1_4", W1=4, W2=4),
+    dict(name="w3_8", W3=8),
+)
+
+
+def split_candidate(W: int, cand: dict) -> dict:
+    """The full split config of a SPLIT_CANDIDATES entry at width W (benchmarks and GPU tests)."""
+    cfg = {key: v for key, v in cand.items() if key != "name"}
+    if cfg.get("SW") == "half":
+        cfg["SW"] = max(16, _split_config(W)["SW"] // 2)
+    elif cfg.get("SW") == "double":
+        cfg["SW"] = _split_config(W)["SW"] * 2
+    return cfg
 
 
 def _check_variant(variant) -> str:
@@ -397,15 +456,19 @@ def _check_variant(variant) -> str:
 def _topk_split(scores, k, lengths, out, osc, return_scores, hmask, cfg):
     """Launch the split variant on ``scores`` [R, W] (W > 0, unit column stride) into out / osc."""
     R, W = scores.shape
-    SW, D0, D, CH = cfg["SW"], cfg["D0"], cfg["D"], cfg["CH"]
+    SW, D0, LV, D, CH = cfg["SW"], cfg["D0"], cfg["LV"], cfg["D"], cfg["CH"]
     for name, v in (("SW", SW), ("CH", CH)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"deterministic_topk: split {name}={v} must be a power of two >= 16")
-    if not (1 <= D0 <= 16 and 1 <= D <= 16 and (32 - D0) % D == 0):
-        raise ValueError(f"deterministic_topk: split digits D0={D0}, D={D}: need 32 - D0 to be a multiple of D")
+    if not (1 <= D0 <= 12 and 1 <= LV and D0 * LV <= 32 and 1 <= D <= 12 and (32 - D0 * LV) % D == 0):
+        raise ValueError(f"deterministic_topk: split digits D0={D0}, LV={LV}, D={D}: need D0, D in [1, 12], "
+                         f"D0*LV <= 32 and 32 - D0*LV to be a multiple of D")
+    # no replicated lanes in a histogram: at most one warp per 32 elements of a slice / chunk
+    w1, w2 = (max(1, min(cfg[key], SW // 32)) for key in ("W1", "W2"))
+    w3 = max(1, min(cfg["W3"], CH // 32))
     NS = triton.cdiv(W, SW)
     SP = triton.next_power_of_2(NS)
-    NP = (32 - D0) // D
+    NP = (32 - D0 * LV) // D
     rows_per_block = max(1, SPLIT_SCRATCH_BYTES // (8 * NS * SW))
     has_len = lengths is not None
     lens_all = lengths.to(torch.int32).contiguous() if has_len else None
@@ -416,16 +479,17 @@ def _topk_split(scores, k, lengths, out, osc, return_scores, hmask, cfg):
         lens = lens_all[r0:r1] if has_len else out
         o = out[r0:r1]
         oc = osc[r0:r1] if return_scores else o
-        tot = torch.zeros((rb, 1 << D0), dtype=torch.int32, device=scores.device)
+        tot = torch.zeros((rb, LV, 1 << D0), dtype=torch.int32, device=scores.device)
         bx = torch.empty((rb, NS * SW), dtype=torch.float32, device=scores.device)
         bp = torch.empty((rb, NS * SW), dtype=torch.int32, device=scores.device)
         cnt = torch.empty((rb, NS), dtype=torch.int32, device=scores.device)
-        _split_hist_kernel[(rb, NS)](s, lens, tot, W, s.stride(0), HAS_LEN=has_len, SW=SW, D0=D0,
-                                     HIST_MASK=hmask, num_warps=cfg["W1"], **zt.LAUNCH_OPTS)
+        for level in range(LV):
+            _split_hist_kernel[(rb, NS)](s, lens, tot, W, k, s.stride(0), HAS_LEN=has_len, SW=SW, D0=D0,
+                                         LEVEL=level, LV=LV, HIST_MASK=hmask, num_warps=w1, **zt.LAUNCH_OPTS)
         _split_compact_kernel[(rb, NS)](s, lens, tot, bx, bp, cnt, W, k, NS, s.stride(0), HAS_LEN=has_len,
-                                        SW=SW, D0=D0, num_warps=cfg["W2"], **zt.LAUNCH_OPTS)
+                                        SW=SW, D0=D0, LV=LV, num_warps=w2, **zt.LAUNCH_OPTS)
         _split_finish_kernel[(rb,)](bx, bp, cnt, tot, o, oc, k, NS, RET_SCORES=return_scores, SW=SW, SP=SP,
-                                    D0=D0, D=D, NP=NP, CH=CH, HIST_MASK=hmask, num_warps=cfg["W3"],
+                                    D0=D0, LV=LV, D=D, NP=NP, CH=CH, HIST_MASK=hmask, num_warps=w3,
                                     **zt.LAUNCH_OPTS)
 
 
