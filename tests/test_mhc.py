@@ -408,6 +408,29 @@ def test_triton_variant_negative_control_split_count_matters(seeded):
 
 
 @needs_triton
+def test_triton_variant_ragged_k_and_small_hc(seeded):
+    """K not a multiple of the k-block (masked k path) and hc_mult 2 (8 mixes, 16-wide tile)."""
+    g = seeded()
+    H = 200  # K = 800 = 12.5 blocks of 64 -> 13 blocks, one split per block
+    fn, scale, base = _weights(g, H)
+    res = _streams(g, 4, H)
+    assert mhc.variant_splits(N_HC * H, "bf16x3_s16") == (13, 1)
+    mix, sq = mhc.prenorm_gemm_splitk(res, fn, "bf16x3_s16")
+    x = res.reshape(4, -1).double()
+    assert torch.allclose(mix.double().sum(0), x @ fn.double().t(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(sq.double().sum(0), (x * x).sum(-1), rtol=1e-6)
+    mix1, _ = mhc.prenorm_gemm_splitk(res[2:3].contiguous(), fn, "bf16x3_s16")
+    _assert_rows_equal(mix[:, 2], mix1[:, 0], "ragged-K partials: victim at 2 of T=4")
+    n2 = 2
+    res2 = res[:, :n2].contiguous()
+    fn2 = fn[: ref.n_mix(n2), : n2 * H].contiguous()
+    li, post, comb = mhc.mhc_pre(res2, fn2, scale, base[: ref.n_mix(n2)].contiguous(), backend="triton",
+                                 variant="tf32_s32", **PRE_KW)
+    r = ref.mhc_pre_ref(res2, fn2, scale, base[: ref.n_mix(n2)].contiguous(), sinkhorn_iters=3)
+    assert torch.allclose(post, r[1], rtol=2e-6, atol=1e-6) and torch.allclose(comb, r[2], rtol=2e-5, atol=1e-6)
+
+
+@needs_triton
 def test_triton_split_epilogue_matches_verified_epilogue_for_one_split(seeded):
     """With one partial, the tile-reduce epilogue is the verified epilogue bit for bit (same gates,
     Sinkhorn and aggregation code); with S partials it differs only in the reduction tree (close)."""
