@@ -4,7 +4,7 @@
 #   build/e2e-device.sh [--total SECONDS] [--config h200] [--steps 100]
 #
 # Stages, each in its own process with its own timeout (a failing or slow stage never loses the others):
-#   1. GPU end-to-end tests           pytest -m gpu tests/test_e2e_gpu.py                 (timeout 70 s)
+#   1. GPU end-to-end tests           pytest -m gpu tests/test_e2e_gpu.py                 (timeout 80 s)
 #   2. acceptance run                 zerodiff check --config h200 --steps 100 --time-budget (rest of the time)
 #   3. negative control               zerodiff check --config h200 --steps 3 --baseline   (timeout 55 s)
 #   4. throughput                     zerodiff bench --config h200 --steps 5              (timeout 105 s)
@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-T_TESTS=70; T_BASE=55; T_BENCH=105
+T_TESTS=80; T_BASE=55; T_BENCH=105
 PY=${PYTHON:-python3}
 export PYTHONPATH="$ROOT/kernels${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -81,7 +81,7 @@ stage() {
 # 1. GPU end-to-end tests
 stage gpu_tests "$T_TESTS" $PY -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_e2e_gpu.py \
   --junitxml="$W/junit-e2e-gpu.xml"
-grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$W/gpu_tests.log" | cut -c1-220 | tail -n 12 | tee -a "$SUM"
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|E2E_GRAD_ERRORS" "$W/gpu_tests.log" | cut -c1-400 | tail -n 12 | tee -a "$SUM"
 
 # 2. acceptance: as many of the requested steps as the time left allows (stops cleanly)
 LEFT=$(( TOTAL - $(elapsed) - T_BASE - T_BENCH - 10 ))

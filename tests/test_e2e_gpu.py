@@ -1,8 +1,8 @@
 """End-to-end harness on CUDA (issue 6), with the team's Triton kernels: diff = 0 through RL steps,
 negative control, CUDA graph == eager, in-place weight update under captured graphs.
 
-Uses the ``gpu_small`` preset (H200 per-head shapes, few heads/experts, short requests). The full
-``h200`` preset runs through ``zerodiff check --config h200`` (see docs/results.md)."""
+Uses the ``gpu_small`` preset (H200 per-head shapes, 64 heads, few experts, short requests). The full
+``h200`` preset runs through ``build/e2e-device.sh`` / ``zerodiff check --config h200`` (see docs/results.md)."""
 
 from __future__ import annotations
 
@@ -34,12 +34,21 @@ def test_gpu_rl_steps_diff_zero_with_graphs():
     assert sum(h["graph_steps"] for h in run.history) > 0, run.engine.graphs.disabled
 
 
-def test_gpu_baseline_shows_diff():
+def test_gpu_baseline_shows_diff_on_the_stock_kernels():
+    """Negative control on the frozen CUDA baseline; also checks that the stock kernels really ran (DeepGEMM dense
+    and grouped in both layouts, FlashMLA FP8 decode inside captured graphs, FlashMLA sparse prefill)."""
+    from zerodiff.model import baseline_cuda
     from zerodiff.rl.loop import RLRun
 
     run = RLRun(_preset(), seed=0, mode="baseline", device="cuda")
     rep = run.run_step()
+    ran = baseline_cuda.choices_text()
+    print("baseline kernels:", ran)
     assert rep["tokens_differ"] > 0 and rep["training/rollout_probs_diff_max"] > 0
+    assert rep["graph_steps"] > 0, run.engine.graphs.disabled  # same CUDA-graph policy as the consistent mode
+    assert "FlashMLA" in ran.get("attention decode", "") and "flash_mla_sparse_fwd" in ran.get("attention prefill", "")
+    assert any(k.startswith("dense fp8 linear") and "DeepGEMM" in v for k, v in ran.items()), ran
+    assert any(k.startswith("moe w13 masked") for k in ran) and any(k.startswith("moe w13 contiguous") for k in ran), ran
 
 
 def _requests(seed, n, vocab):
@@ -91,3 +100,19 @@ def test_gpu_victim_in_batch_engine():
     for o in outs[1:]:
         assert o[victim.rid].response == outs[0][victim.rid].response
         assert torch.equal(o[victim.rid].logprobs, outs[0][victim.rid].logprobs)
+
+
+def test_gpu_gradient_check_bound():
+    """STE training gradients on the H200 (gpu_small shapes, the team's CUDA kernels) vs the independent float64
+    model; prints the per-group relative errors (docs/results.md takes them from this line)."""
+    from zerodiff.rl.loop import RLRun
+    from zerodiff.training.gradcheck import gradient_check
+
+    run = RLRun(_preset(), seed=0, mode="consistent", device="cuda")
+    _, out = run.rollout(0)
+    seqs = [(k, o.prompt, o.response) for k, o in sorted(out.items())[:3]]
+    g = torch.Generator().manual_seed(1)
+    coef = {k: float(torch.randn(1, generator=g)) for k, _, _ in seqs}
+    err = gradient_check(run.trainer, seqs, coef)
+    print("E2E_GRAD_ERRORS", {k: round(v, 4) for k, v in sorted(err.items())})
+    assert max(err.values()) < 0.15, err

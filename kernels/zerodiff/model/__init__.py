@@ -9,6 +9,9 @@ Public API (see each module's docstring for the contracts)::
     zerodiff.model.ops:      make_ops(mode: 'consistent'|'baseline', side: 'rollout'|'train', cfg) -> ops,
                              ConsistentOps, BaselineRolloutOps, BaselineTrainOps, Tape, WeightVersionError,
                              BASELINE_CHOICE, INTERIM_OPS
+    zerodiff.model.baseline_cuda: the frozen CUDA baseline's stock paths: fp8_linear, moe_routed, flashmla_decode,
+                             flashmla_prefill, dequant_tokens, cache_slots; CHOICES / choices_text() (what ran),
+                             BaselineUnavailable
     zerodiff.model.forward:  StepInputs, build_step(seqs, device='cpu') -> StepInputs,
                              forward_step(params, step, cache, ops, *, record=None) -> fp32 logits [L, vocab]
     zerodiff.model.cache:    PagedCache(cfg, num_blocks, block_size, device), BlockAllocator
@@ -16,7 +19,8 @@ Public API (see each module's docstring for the contracts)::
     zerodiff.rollout.engine: Request(rid, prompt, max_new), RolloutEngine(preset, deployment, ops, device='cpu',
                              sample_seed=0, use_graphs=None).generate(requests, sched_seed, record=None)
                              -> {rid: RolloutResult(rid, prompt, response, logprobs fp32)}
-    zerodiff.rollout.graphs: DecodeGraphs (CUDA graphs of pure-decode steps)
+    zerodiff.rollout.graphs: DecodeGraphs(engine, guard=False) (CUDA graphs of pure-decode steps; .capture_all()),
+                             host_sync_guard(), HostSyncError
     zerodiff.training.forward:   pack(seqs, micro_tokens, pack_seed), TrainingForward(preset, masters, deployment,
                                  ops, device).run(seqs, pack_seed, *, grad=False, coef=None, record=None,
                                  on_micro=None) -> {key: fp32 log-probs}
@@ -26,5 +30,5 @@ Public API (see each module's docstring for the contracts)::
     zerodiff.rl.loop:        RLRun(preset='cpu', seed=0, mode='consistent', device=None).run_step() -> report;
                              .save(path), RLRun.load(path, device=None, preset=None), .locate(step); DiffError
     zerodiff.rl.diverge:     Recorder, first_divergence(rollout_rec, train_rec)
-    zerodiff.e2e_cli:        register(subparsers) (adds `check`, `bench`), main(argv)
+    zerodiff.e2e_cli:        register(subparsers) (adds `check`, `bench`; both take --time-budget SECONDS), main(argv)
 """
