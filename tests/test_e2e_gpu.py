@@ -108,7 +108,9 @@ def test_gpu_gradient_check_bound():
     from zerodiff.rl.loop import RLRun
     from zerodiff.training.gradcheck import gradient_check
 
-    run = RLRun(_preset(), seed=0, mode="consistent", device="cuda")
+    # short requests: the float64 reference model runs on the host CPU
+    run = RLRun(_preset(prompts_per_step=2, prompt_len=(32, 96), response_len=(8, 16)), seed=0, mode="consistent",
+                device="cuda")
     _, out = run.rollout(0)
     seqs = [(k, o.prompt, o.response) for k, o in sorted(out.items())[:3]]
     g = torch.Generator().manual_seed(1)

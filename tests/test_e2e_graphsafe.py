@@ -240,3 +240,37 @@ def test_baseline_cuda_wiring_rl_step_shows_diff(cuda_branches):
     p = CPU.replace(rollout=dataclasses.replace(CPU.rollout, prompts_per_step=2))
     rep = RLRun(p, 0, "baseline").run_step()
     assert not rep["bitwise_equal"] and rep["tokens_differ"] > 0
+
+
+def test_cuda_wiring_at_the_flashmla_per_head_shapes(cuda_branches, monkeypatch):
+    """The same emulation at the real per-head shapes (64 heads, 512 + 64 latent: the 656-byte FP8 cache with 4
+    scale groups, FlashMLA's head check not relaxed), one layer and tiny widths elsewhere: consistent graph ==
+    eager under the guard, and the baseline's CUDA wiring runs in both graph and eager steps."""
+    from zerodiff.model.config import ModelConfig
+
+    bc = cuda_branches.bc
+    monkeypatch.setattr(bc, "FLASHMLA_HEADS", (64, 128))
+    monkeypatch.setattr(bc, "FLASHMLA_DQK", 576)
+    mc = ModelConfig(vocab=512, hidden=256, layers=1, heads=64, q_lora=128, d_latent=512, d_rope=64, idx_heads=2,
+                     idx_dim=128, topk=64, experts=4, top_experts=2, moe_inter=128, shared_inter=128, max_pos=128)
+    fm = _fake_flashmla(mc)
+    import zerodiff.backends as zb
+
+    monkeypatch.setattr(zb, "flash_mla", lambda: fm)
+    p = CPU.replace(model=mc)
+    masters = init_masters(mc, 3)
+    reqs = _requests(5, 4, mc.vocab, plen=(8, 20), rlen=(3, 6))
+    for mode in ("consistent", "baseline"):
+        res = {}
+        for g in ("emulate", False):
+            eng = RolloutEngine(p, Deployment(masters), make_ops(mode, "rollout", mc), sample_seed=4, use_graphs=g)
+            if g:
+                eng.graphs.guard = True
+            res[g] = eng.generate(_clone(reqs), 6)
+            if g:
+                assert eng.stats["graph_steps"] > 0 and eng.graphs.disabled is None
+        if mode == "consistent":
+            for r in reqs:
+                assert torch.equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs)
+    assert fm.calls["decode"] > 0 and fm.calls["sparse_fwd"] > 0
+    assert not any("rejected" in v for v in bc.CHOICES.values()), bc.CHOICES
