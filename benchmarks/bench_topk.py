@@ -129,7 +129,7 @@ def aot_report() -> None:
 
     single = {"s_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": "*i32", "osc_ptr": "*fp32", "W": "i32", "k": "i32",
               "stride_r": "i64"}
-    h_sig = {"s_ptr": "*fp32", "len_ptr": "*i32", "tot_ptr": "*i32", "W": "i32", "stride_r": "i64"}
+    h_sig = {"s_ptr": "*fp32", "len_ptr": "*i32", "tot_ptr": "*i32", "W": "i32", "k": "i32", "stride_r": "i64"}
     c_sig = {"s_ptr": "*fp32", "len_ptr": "*i32", "tot_ptr": "*i32", "bx_ptr": "*fp32", "bp_ptr": "*i32",
              "cnt_ptr": "*i32", "W": "i32", "k": "i32", "NS": "i32", "stride_r": "i64"}
     f_sig = {"bx_ptr": "*fp32", "bp_ptr": "*i32", "cnt_ptr": "*i32", "tot_ptr": "*i32", "out_ptr": "*i32",
@@ -146,13 +146,15 @@ def aot_report() -> None:
                 cfg = dict(T._split_config(W), **T.split_candidate(W, cand))
                 ns = -(-W // cfg["SW"])
                 sp = 1 << (ns - 1).bit_length()
+                lv = cfg["LV"]
                 parts = (("hist", T._split_hist_kernel, h_sig,
-                          dict(HAS_LEN=True, SW=cfg["SW"], D0=cfg["D0"], HIST_MASK=True), cfg["W1"]),
+                          dict(HAS_LEN=True, SW=cfg["SW"], D0=cfg["D0"], LEVEL=lv - 1, LV=lv, HIST_MASK=True),
+                          cfg["W1"]),
                          ("compact", T._split_compact_kernel, c_sig,
-                          dict(HAS_LEN=True, SW=cfg["SW"], D0=cfg["D0"]), cfg["W2"]),
+                          dict(HAS_LEN=True, SW=cfg["SW"], D0=cfg["D0"], LV=lv), cfg["W2"]),
                          ("finish", T._split_finish_kernel, f_sig,
-                          dict(RET_SCORES=False, SW=cfg["SW"], SP=sp, D0=cfg["D0"], D=cfg["D"],
-                               NP=(32 - cfg["D0"]) // cfg["D"], CH=cfg["CH"], HIST_MASK=True), cfg["W3"]))
+                          dict(RET_SCORES=False, SW=cfg["SW"], SP=sp, D0=cfg["D0"], LV=lv, D=cfg["D"],
+                               NP=(32 - cfg["D0"] * lv) // cfg["D"], CH=cfg["CH"], HIST_MASK=True), cfg["W3"]))
                 for name, fn, sig, cx, warps in parts:
                     key = (name, tuple(sorted(cx.items())), warps)
                     if key in seen:

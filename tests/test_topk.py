@@ -397,6 +397,28 @@ for arch, has_len, ret, chunk, digit, warps in ((90, True, True, 4096, 11, 8), (
             sys.exit(0)
         raise
     assert "cubin" in k.asm, sorted(k.asm)
+# the split variant's three kernels at the default config of 64K-wide rows
+import zerodiff.ops.topk as T
+cfg = T._split_config(65536)
+parts = (
+    (T._split_hist_kernel, {"s_ptr": "*fp32", "len_ptr": "*i32", "tot_ptr": "*i32", "W": "i32", "k": "i32",
+                            "stride_r": "i64"},
+     dict(HAS_LEN=True, SW=cfg["SW"], D0=cfg["D0"], LEVEL=1, LV=cfg["LV"], HIST_MASK=True), cfg["W1"]),
+    (T._split_compact_kernel, {"s_ptr": "*fp32", "len_ptr": "*i32", "tot_ptr": "*i32", "bx_ptr": "*fp32",
+                               "bp_ptr": "*i32", "cnt_ptr": "*i32", "W": "i32", "k": "i32", "NS": "i32",
+                               "stride_r": "i64"},
+     dict(HAS_LEN=True, SW=cfg["SW"], D0=cfg["D0"], LV=cfg["LV"]), cfg["W2"]),
+    (T._split_finish_kernel, {"bx_ptr": "*fp32", "bp_ptr": "*i32", "cnt_ptr": "*i32", "tot_ptr": "*i32",
+                              "out_ptr": "*i32", "osc_ptr": "*fp32", "k": "i32", "NS": "i32"},
+     dict(RET_SCORES=True, SW=cfg["SW"], SP=16, D0=cfg["D0"], LV=cfg["LV"], D=cfg["D"],
+          NP=(32 - cfg["D0"] * cfg["LV"]) // cfg["D"], CH=cfg["CH"], HIST_MASK=True), cfg["W3"]),
+)
+for arch in (90, 100):
+    for fn, sg, cx, warps in parts:
+        sg = dict(sg, **{key: "constexpr" for key in cx})
+        k = triton.compile(ASTSource(fn=fn, signature=sg, constexprs=cx), target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": warps, "enable_fp_fusion": False})
+        assert "cubin" in k.asm, sorted(k.asm)
 print("OK")
 """
 
@@ -404,7 +426,8 @@ print("OK")
 @needs_triton
 @pytest.mark.skipif(DEV == "cuda", reason="with a GPU the native tests compile and run the kernel")
 def test_kernel_compiles_for_sm90_and_sm100():
-    """The interpreter does not compile anything: check the real Hopper/Blackwell build here (no GPU needed)."""
+    """The interpreter does not compile anything: check the real Hopper/Blackwell build here (no GPU needed),
+    for the single kernel and the split variant's three kernels."""
     import os
     import subprocess
     import sys

@@ -21,7 +21,7 @@ Numerical contract (identical to ``zerodiff.reference.topk``, which states it in
 * Positions never depend on the batch: no float arithmetic at all (integer keys, exact counts), one
   program per row, and the chunk size / warp count are chosen from the row width W only.
 
-Kernel design (one kernel for prefill rows, decode rows and routing rows): one program per row. The k-th
+Kernel design, "single" (one kernel for prefill rows, decode rows and routing rows): one program per row. The k-th
 largest key is found by radix select on the 32 mapped score bits: 11-bit digits (10+11+11, at most 3
 passes) for rows wider than 2048, 8-bit digits (at most 4 passes) for narrow rows; a pass that already
 isolates the boundary exactly ends the search early. Each pass is one ``tl.histogram`` (masked to the
@@ -32,13 +32,52 @@ order without any sort. Every loop prefetches its next chunk. Rows with ``length
 passes (everything valid is selected). Columns past a row's length never influence it
 (at most 15 of them are read, never past W).
 
+Split variant (``VARIANT = "split"``, rows at least ``SPLIT_MIN_W`` wide; same bits, exact integer logic):
+the row is cut into NS = ceil(W / SW) slices (SW from W only, about W/16 in [1024, 4096]).
+``LV`` launches of NS programs per row each histogram one full-row digit (default 2 levels of 8 bits) of the
+candidates whose higher digits match the prefix chosen by the previous levels; slices add their counts into
+the row's level histogram with integer atomics (exact, order-free). Every program replays the radix
+decisions from those histograms (``_split_state``), so no host sync and no extra launch is needed between
+levels. A compaction launch (NS programs per row) keeps, in position order, each slice's candidates that
+can still be selected (key >= the boundary prefix, or >= T once T is final) in the slice's own scratch
+region. One finishing program per row runs the remaining radix passes (default 2 x 8 bits) over that kept
+list only, then emits from its right end exactly like the single kernel. Scratch: 8 bytes per row element
+(rows are processed in blocks of at most ``SPLIT_SCRATCH_BYTES``) plus 1 KB of histograms per row.
+Launches: 1 memset + LV + 2. The configuration never depends on the number of rows.
+
+Performance analysis (H200, 2026-11-30 graph timings, k=2048; why the single kernel is slow):
+* Bytes: a 64K row is 256 KB; the single kernel reads it 4 times (3 radix passes + emission), 1 MB/row,
+  1 GB at 1024 rows = 0.2 ms at H200 bandwidth. Flops: none (integer compares/shifts). Neither explains
+  0.92 ms for ONE row or 6.58 ms for 1024 rows.
+* The cost is instruction issue inside ``tl.histogram``. Triton lowers it per warp as: one ballot per bit
+  of the bin index, then every lane builds the indicator of each of its NB/32 bins from those ballots
+  (log2(NB) logic ops per bin) and popcounts it: about (NB/32)(log2 NB + 2) + log2 NB warp instructions
+  per 32 elements -> ~26 warp-instr per element at NB=2048 (11-bit digits), ~12 at 1024, ~2.75 at 256,
+  ~1.3 at 128. (No per-element shared-memory atomics: bin contention is not the problem.)
+  The single kernel's 3 passes x 26 + emission ~ 80 warp-instr/element -> 5.2 M per 64K row; one SM issues
+  at most 4 per cycle: >= 0.75 ms per row on one SM (measured 0.92 ms, rows=1) and
+  1024 x 5.2 M / (132 SMs x 4) -> >= 5.7 ms at 1024 rows (measured 6.58 ms). The model fits both.
+  rows=1 and rows=64 also leave most of the 132 SMs idle (one program per row).
+* Split default predicted cost: 2 x (2.75 + ~0.5) for the two 8-bit row levels + ~1 for the compaction
+  ~ 7.5 warp-instr/element (about 10x less), spread over NS=16 programs per 64K row; the finishing
+  program handles ~k + (one 16-bit-prefix bin) elements (random rows: ~2100). Predictions (to be measured
+  by ``bench_topk.py --sweep``): rows=1 W=64K ~25-35 us (stock 77 us), rows=64 W=64K ~50 us (stock 128),
+  rows=1024 W=64K ~0.5-0.7 ms (stock 0.91), rows=1024 W=8K ~0.1-0.15 ms (stock 0.20), rows=1 W=8K ~20 us
+  (stock 67). Extra: 3 full-row reads instead of 4, the scratch round trip of the kept list.
+* Risk: rows whose scores concentrate in one 16-bit key prefix (plateaus, heavy quantisation) keep a long
+  list and the finishing program (one per row) does the work alone; worst case (all equal) ~ the single
+  kernel with 8-bit digits on one SM. The single kernel with 8-bit digits (``digit=8``: 4 passes x
+  ~3.25) is the runner-up config for wide rows (~5x less issue than 11-bit digits, still one SM per row).
+
 Bad input raises ValueError naming the problem (see the reference). Dtype/shape/k are always checked on
 the host (no sync). ``lengths`` VALUES (0 <= L <= W) are checked for CPU tensors, and for CUDA tensors only
 with ``check_lengths=True`` (a device sync; refused during CUDA-graph capture); the kernel clamps every
 length to ``[0, W]`` in any case, so a bad value can never read out of bounds.
 
 Backends: ``None`` -> Triton for CUDA tensors, the reference for CPU tensors; ``"triton"`` (CPU tensors
-run through Triton's interpreter: small shapes only); ``"reference"``.
+run through Triton's interpreter: small shapes only); ``"reference"``. The Triton design is chosen by the
+module constant ``VARIANT`` ("single", the default verified on the H200, or "split"; environment
+``ZD_TOPK_VARIANT``), for rows at least ``SPLIT_MIN_W`` = 4096 wide; narrower rows always run "single".
 """
 
 from __future__ import annotations
