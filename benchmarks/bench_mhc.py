@@ -71,9 +71,9 @@ def post_torch(lo, res, post, comb):
 
 
 #: variants timed by --quick --sweep (the full sweep times every entry of mhc.VARIANTS)
-QUICK_SWEEP = ("tf32_s32", "tf32_s112", "bf16x3_s16", "bf16x3_s32", "bf16x3_s112")
+QUICK_SWEEP = ("tf32_s32", "tf32_s112", "bf16x3_s32", "bf16x3_s112", "bf16x3_s112_e1")
 #: hc_head variants timed by the sweep (its projection has 4 outputs; same kernels); --quick: the first two
-HEAD_SWEEP = ("tf32_s112", "bf16x3_s112", "bf16x3_s32", "ieee_s112")
+HEAD_SWEEP = ("tf32_s112", "bf16x3_s112", "bf16x3_s32", "ieee_s112", "bf16x3_s112_e1")
 
 
 def _accuracy(res, fn, scale, base, name):
@@ -186,8 +186,9 @@ def aot_report():
                 const = dict(S=S, SP=mhc._pow2_at_least(S), NH=N_HC, BLOCK_H=mhc._EPI_BLOCK_H, EXACT=False)
                 for cc in (90, 100):
                     try:
-                        k = build(kern, sig, const, cc, num_warps=mhc._EPI_WARPS)
-                        print(f"epi  {what} S={S:3d} sm_{cc}: {usage(k)}", flush=True)
+                        for w in sorted({mhc._EPI_WARPS, 1}):
+                            k = build(kern, sig, const, cc, num_warps=w)
+                            print(f"epi  {what} S={S:3d} warps={w} sm_{cc}: {usage(k)}", flush=True)
                     except Exception as e:  # noqa: BLE001
                         print(f"epi  {what} S={S} sm_{cc}: FAILED {type(e).__name__}: {str(e)[:300]}")
 

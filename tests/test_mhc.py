@@ -505,6 +505,8 @@ def test_bad_inputs_raise_clear_errors():
         (lambda: mhc.hc_head(res, fn[:4], scale[:1], base[:4], variant=3), "unknown variant"),
         (lambda: mhc.mhc_pre(res, fn, scale, base, variant=mhc.PrenormVariant("x", 0, "tf32")), "splits"),
         (lambda: mhc.mhc_pre(res, fn, scale, base, variant=mhc.PrenormVariant("x", 4, "fp16")), "precision"),
+        (lambda: mhc.mhc_pre(res, fn, scale, base, variant=mhc.PrenormVariant("x", 4, "tf32", epi_warps=3)),
+         "epi_warps"),
     ]
     for fn_call, text in cases:
         with pytest.raises(ValueError, match=text):
@@ -733,7 +735,8 @@ def test_gpu_variant_victim_in_batch_accuracy_and_control(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["ieee_s112", "tf32_s112", "bf16x3_s32", "bf16x3_s112", "tf32x3_s32"])
+@pytest.mark.parametrize("name", ["ieee_s112", "tf32_s112", "bf16x3_s32", "bf16x3_s112", "tf32x3_s32",
+                                  "bf16x3_s112_e1"])
 def test_gpu_hc_head_variant_victim(name):
     H = 7168
     g = torch.Generator().manual_seed(22)

@@ -64,8 +64,11 @@ batch-invariant alternatives of the projection, selected by name (``mhc_pre(...,
   derived in the kernel every call, so in-place weight updates under CUDA graphs stay correct);
   ``tf32x3``: Triton's 3-pass TF32 (x's low part is zero, so one pass is wasted; kept for comparison).
 * Epilogue: the S partials of a token are loaded at once and summed by one ``tl.sum`` tree per output
-  (its order pinned by S, the padded width and the launch config, never by T), then the gates, Sinkhorn
-  and aggregation exactly as above. With S = 1 it is the verified epilogue bit for bit (CPU-tested).
+  (its order pinned by S, the padded width and the variant's ``epi_warps``, never by T), then the gates,
+  Sinkhorn and aggregation exactly as above. With S = 1 it is the verified epilogue bit for bit
+  (CPU-tested). The Sinkhorn's row / column sums extract one element at a time (exact), so only the
+  split-sum tree depends on ``epi_warps``; ``*_e1`` variants run the epilogue in one warp (intra-warp
+  reductions instead of shared-memory ones along the 20 dependent Sinkhorn rounds: decode latency).
 * Each variant's values differ from the default's in the last bits (another summation order; TF32
   also in accuracy), so switching :data:`DEFAULT_VARIANT` / :data:`DEFAULT_HEAD_VARIANT` is a contract
   change that rollout and training make at once (both read these constants) and re-verify on the GPU.
@@ -588,6 +591,7 @@ class PrenormVariant:
     block_k: int = 64
     warps: int = 4
     stages: int = 3
+    epi_warps: int = _EPI_WARPS
 
 
 def _v(name, splits, precision, **kw):
@@ -605,6 +609,11 @@ VARIANTS: dict[str, PrenormVariant] = dict([
     _v("tf32_s32_w4", 32, "tf32", warps=4),
     _v("bf16x3_s32_w4", 32, "bf16x3", warps=4),
     _v("bf16x3_s32_bm128", 32, "bf16x3", block_m=128, warps=8),
+    # one-warp epilogue: the Sinkhorn's row/column sums become intra-warp (decode latency); only the
+    # split-sum tree depends on the warp count, and it is pinned by the variant
+    _v("bf16x3_s32_e1", 32, "bf16x3", warps=8, epi_warps=1),
+    _v("bf16x3_s112_e1", 112, "bf16x3", warps=8, epi_warps=1),
+    _v("tf32_s112_e1", 112, "tf32", warps=8, epi_warps=1),
 ])
 
 #: the variant mhc_pre / hc_head use when ``variant=None``. Changing it changes values (not invariance)
@@ -630,6 +639,10 @@ def _resolve_variant(variant) -> PrenormVariant:
         x = getattr(v, f)
         if x < 16 or x & (x - 1):
             raise _err(f"variant {v.name!r}: {f} must be a power of two >= 16; got {x}")
+    for f in ("warps", "epi_warps"):
+        x = getattr(v, f)
+        if x not in (1, 2, 4, 8, 16):
+            raise _err(f"variant {v.name!r}: {f} must be 1, 2, 4, 8 or 16; got {x}")
     return v
 
 
@@ -690,9 +703,10 @@ def _pow2_at_least(x: int) -> int:
 
 def pre_epilogue_splits(mix: torch.Tensor, sq: torch.Tensor, residual: torch.Tensor, hc_scale: torch.Tensor,
                         hc_base: torch.Tensor, *, rms_eps: float, hc_pre_eps: float, hc_sinkhorn_eps: float,
-                        hc_post_mult: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        hc_post_mult: float, sinkhorn_iters: int,
+                        epi_warps: int = _EPI_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Epilogue for S partials: all S loaded at once and summed by one fixed ``tl.sum`` tree (pinned by
-    S, i.e. by K), then the gates / Sinkhorn / aggregation of :func:`pre_epilogue`."""
+    S, i.e. by K, and ``epi_warps``), then the gates / Sinkhorn / aggregation of :func:`pre_epilogue`."""
     S, T, nm = mix.shape
     _, n, H = residual.shape
     dev = residual.device
@@ -705,7 +719,7 @@ def pre_epilogue_splits(mix: torch.Tensor, sq: torch.Tensor, residual: torch.Ten
         mix.contiguous(), sq.contiguous(), hc_scale.contiguous(), hc_base.contiguous(),
         residual.contiguous(), li, post, comb, T, H, n * H,
         float(rms_eps), float(hc_pre_eps), float(hc_sinkhorn_eps), float(hc_post_mult), int(sinkhorn_iters),
-        S=S, SP=_pow2_at_least(S), NH=n, BLOCK_H=_EPI_BLOCK_H, EXACT=zt.EXACT_CASTS, num_warps=_EPI_WARPS,
+        S=S, SP=_pow2_at_least(S), NH=n, BLOCK_H=_EPI_BLOCK_H, EXACT=zt.EXACT_CASTS, num_warps=epi_warps,
         **zt.LAUNCH_OPTS,
     )
     return li, post, comb
@@ -721,7 +735,7 @@ def _hc_head_splits(residual, fn, hc_scale, hc_base, rms_eps, hc_eps, v):
     _hc_head_epilogue_splits_kernel[(T,)](
         mix, sq, hc_scale.contiguous(), hc_base.contiguous(), residual.contiguous(), out, T, H, n * H,
         float(rms_eps), float(hc_eps), S=S, SP=_pow2_at_least(S), NH=n, BLOCK_H=_EPI_BLOCK_H,
-        EXACT=zt.EXACT_CASTS, num_warps=_EPI_WARPS, **zt.LAUNCH_OPTS,
+        EXACT=zt.EXACT_CASTS, num_warps=v.epi_warps, **zt.LAUNCH_OPTS,
     )
     return out
 
@@ -757,7 +771,7 @@ def mhc_pre(
         return ref.mhc_pre_ref(residual, fn, hc_scale, hc_base, **kw)
     if v.precision != "fp32_legacy":
         mix, sq = prenorm_gemm_splitk(residual, fn, v)
-        return pre_epilogue_splits(mix, sq, residual, hc_scale, hc_base, **kw)
+        return pre_epilogue_splits(mix, sq, residual, hc_scale, hc_base, epi_warps=v.epi_warps, **kw)
     mix, sq = prenorm_gemm(residual, fn, splits=FIXED_SPLITS)
     return pre_epilogue(mix, sq, residual, hc_scale, hc_base, **kw)
 
