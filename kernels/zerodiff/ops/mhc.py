@@ -109,8 +109,10 @@ Performance analysis (H 7168, hc 4: K = n*H = 28672, 24 mixes; H200, 2026-11-30)
   measurably slower and TF32 accuracy (upstream's own) is accepted. Never choose S from T.
 
 Bad input raises ``ValueError`` naming the argument: wrong dtype / rank / shape, ``hc_mult`` not in
-(1, 2, 4) for pre / head (not a power of two <= 8 for post), tensors on different devices, ``sinkhorn_iters < 1``, an unknown backend, or a
-Triton backend on a device where Triton cannot run. Non-finite inputs are not checked; they propagate.
+(1, 2, 4) for pre / head (not a power of two <= 8 for post), tensors on different devices,
+``sinkhorn_iters < 1``, an unknown backend, an unknown variant (or a ``PrenormVariant`` with a bad split
+count, precision, block size or warp count), or a Triton backend on a device where Triton cannot run.
+Non-finite inputs are not checked; they propagate (the bf16x3 weight split assumes finite weights).
 """
 
 from __future__ import annotations
