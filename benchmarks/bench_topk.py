@@ -134,6 +134,7 @@ def aot_report() -> None:
              "cnt_ptr": "*i32", "W": "i32", "k": "i32", "NS": "i32", "stride_r": "i64"}
     f_sig = {"bx_ptr": "*fp32", "bp_ptr": "*i32", "cnt_ptr": "*i32", "tot_ptr": "*i32", "out_ptr": "*i32",
              "osc_ptr": "*fp32", "k": "i32", "NS": "i32"}
+    failed = 0
     for cc in (90, 100):
         for W in (8192, 65536):
             chunk, digit, warps = _config(W)
@@ -165,7 +166,10 @@ def aot_report() -> None:
                         msg = f"{usage(kern)} smem={kern.metadata.shared}"
                     except Exception as e:
                         msg = f"FAILED {type(e).__name__}: {str(e)[:300]}"
+                        failed += 1
                     print(f"{name:7s} sm_{cc} W={W} {cand['name']} {cx} warps={warps}: {msg}", flush=True)
+    if failed:
+        raise SystemExit(f"{failed} kernel compilations failed")
 
 
 def main() -> None:

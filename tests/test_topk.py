@@ -585,13 +585,13 @@ def test_gpu_split_candidates_exact(seeded, W):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("W", [4096, 8192, 32768, 65536])
+@pytest.mark.parametrize("W", [4096, 8192, 32768, 65536, 163840, 5000])
 def test_gpu_split_default_exact_many_rows(seeded, monkeypatch, W):
     """The public entry point under VARIANT='split' on many rows (row blocks of the scratch included)."""
     g = seeded(f"split-many-{W}")
     monkeypatch.setattr(topk_mod, "VARIANT", "split")
     monkeypatch.setattr(topk_mod, "SPLIT_SCRATCH_BYTES", 8 * W * 50)  # ~50 rows per scratch block
-    R = 130
+    R = 130 if W <= 65536 else 40
     s = _gpu_rows(R, W, g)
     L = torch.randint(0, W + 1, (R,), generator=g, dtype=torch.int32)
     L[::7] = W

@@ -33,7 +33,8 @@ passes (everything valid is selected). Columns past a row's length never influen
 (at most 15 of them are read, never past W).
 
 Split variant (``VARIANT = "split"``, rows at least ``SPLIT_MIN_W`` wide; same bits, exact integer logic):
-the row is cut into NS = ceil(W / SW) slices (SW from W only, about W/16 in [1024, 4096]).
+the row is cut into NS = ceil(W / SW) slices (SW from W only, about W/16 in [1024, 4096], 8192 past
+128K). Slices at or past a row's length do nothing.
 ``LV`` launches of NS programs per row each histogram one full-row digit (default 2 levels of 8 bits) of the
 candidates whose higher digits match the prefix chosen by the previous levels; slices add their counts into
 the row's level histogram with integer atomics (exact, order-free). Every program replays the radix
@@ -447,13 +448,16 @@ SPLIT_SCRATCH_BYTES = 256 << 20
 def _split_config(W: int) -> dict:
     """Split-variant configuration from the row width only.
 
-    SW: slice width (one program per slice in the full-row launches), about W/16 within [1024, 4096];
+    SW: slice width (one program per slice in the full-row launches), about W/16 within [1024, 4096]
+    (up to 8192 so that rows up to 256K have at most 32 slices);
     D0, LV: LV full-row levels of D0-bit digits (2 x 8 bits: two 256-bin histograms over the row);
     D: digit of the passes over the kept list (32 - D0*LV must be a multiple of D: 2 passes of 8 bits);
     CH: chunk of the finishing program; W1/W2/W3: warps of the histogram / compaction / finishing launches.
     """
     sw = 1024
     while sw * 16 < W and sw < 4096:
+        sw *= 2
+    while -(-W // sw) > 32 and sw < 8192:  # very long rows (e.g. 160K): at most 32 slices up to 256K
         sw *= 2
     return dict(SW=sw, D0=8, LV=2, D=8, CH=512, W1=8 if sw >= 4096 else 4, W2=8 if sw >= 4096 else 4, W3=4)
 
