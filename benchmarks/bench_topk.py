@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median_ms, parser, row, write  # noqa: E402
 
-import zerodiff.ops.topk as T  # noqa: E402
+import zerodiff.ops.topk as topk_mod  # noqa: E402
 from zerodiff.ops.topk import _config, _topk_triton, deterministic_topk, topk_routing  # noqa: E402
 
 
@@ -78,9 +78,9 @@ def sweep(k: int, rep: int) -> list[dict]:
                     for warps in (8, 16):
                         configs.append((f"single chunk={chunk} digit={digit} warps={warps}",
                                         dict(variant="single", chunk=chunk, digit=digit, num_warps=warps)))
-            for cand in T.SPLIT_CANDIDATES:
-                cfg = T.split_candidate(W, cand)
-                configs.append((f"split {cand['name']} {dict(T._split_config(W), **cfg)}",
+            for cand in topk_mod.SPLIT_CANDIDATES:
+                cfg = topk_mod.split_candidate(W, cand)
+                configs.append((f"split {cand['name']} {dict(topk_mod._split_config(W), **cfg)}",
                                 dict(variant="split", split=cfg)))
             for label, kw in configs:
                 def f(kw=kw):
@@ -138,22 +138,22 @@ def aot_report() -> None:
     for cc in (90, 100):
         for W in (8192, 65536):
             chunk, digit, warps = _config(W)
-            kern = comp(T._topk_kernel, single, dict(HAS_LEN=True, RET_SCORES=False, CHUNK=chunk, DIGIT=digit,
+            kern = comp(topk_mod._topk_kernel, single, dict(HAS_LEN=True, RET_SCORES=False, CHUNK=chunk, DIGIT=digit,
                         NPASS=(32 + digit - 1) // digit, NB=1 << digit, HIST_MASK=True), warps, cc)
             print(f"single  sm_{cc} W={W} {(chunk, digit, warps)}: {usage(kern)} smem={kern.metadata.shared}",
                   flush=True)
             seen = set()
-            for cand in T.SPLIT_CANDIDATES:
-                cfg = dict(T._split_config(W), **T.split_candidate(W, cand))
+            for cand in topk_mod.SPLIT_CANDIDATES:
+                cfg = dict(topk_mod._split_config(W), **topk_mod.split_candidate(W, cand))
                 ns = -(-W // cfg["SW"])
                 sp = 1 << (ns - 1).bit_length()
                 lv = cfg["LV"]
-                parts = (("hist", T._split_hist_kernel, h_sig,
+                parts = (("hist", topk_mod._split_hist_kernel, h_sig,
                           dict(HAS_LEN=True, SW=cfg["SW"], D0=cfg["D0"], LEVEL=lv - 1, LV=lv, HIST_MASK=True),
                           cfg["W1"]),
-                         ("compact", T._split_compact_kernel, c_sig,
+                         ("compact", topk_mod._split_compact_kernel, c_sig,
                           dict(HAS_LEN=True, SW=cfg["SW"], D0=cfg["D0"], LV=lv), cfg["W2"]),
-                         ("finish", T._split_finish_kernel, f_sig,
+                         ("finish", topk_mod._split_finish_kernel, f_sig,
                           dict(RET_SCORES=False, SW=cfg["SW"], SP=sp, D0=cfg["D0"], LV=lv, D=cfg["D"],
                                NP=(32 - cfg["D0"] * lv) // cfg["D"], CH=cfg["CH"], HIST_MASK=True), cfg["W3"]))
                 for name, fn, sig, cx, warps in parts:
@@ -212,8 +212,8 @@ def main() -> None:
             phase = "decode" if R <= 128 else "prefill"
             out.append(row("topk_dsa", f"rows={R} width={W} k={k}", t_ours, t_stock, "torch.topk",
                            phase=phase, target=1.3 if phase == "decode" else 1.1, same_set_as_stock=same_set,
-                           variant=T.VARIANT, **_graph_fields(f_ours, f_stock, rep)))
-            for variant in T.VARIANTS:  # both designs, same inputs, same stock time
+                           variant=topk_mod.VARIANT, **_graph_fields(f_ours, f_stock, rep)))
+            for variant in topk_mod.VARIANTS:  # both designs, same inputs, same stock time
                 def f_var(variant=variant):
                     return _topk_triton(s, k, lens, False, variant=variant)
 
@@ -227,7 +227,7 @@ def main() -> None:
                     continue
                 out.append(row(f"topk_dsa[{variant}]", f"rows={R} width={W} k={k}", t_var, t_stock, "torch.topk",
                                phase=phase, target=1.3 if phase == "decode" else 1.1, equal_to_default=same,
-                               config=str(_config(W) if variant == "single" else T._split_config(W))))
+                               config=str(_config(W) if variant == "single" else topk_mod._split_config(W))))
             del s, ours, stock
     E, kr = 256, 8
     for T in tokens:
