@@ -79,6 +79,14 @@ def _fake_deepgemm():
     from zerodiff.reference.fp8_gemm import fp8_gemm_ref
 
     calls = {"fp8_gemm_nt": 0, "contiguous": 0, "masked": 0}
+    state = {"align": 256, "cap": []}  # a non-default BLOCK_M alignment: the buffer must follow it
+
+    def get_mk_alignment_for_contiguous_layout():
+        return state["align"]
+
+    def set_mk_alignment_for_contiguous_layout(v):
+        state["cap"].append(v)
+        state["align"] = v
 
     def _chk(a, w):
         (aq, as_), (wq, ws) = a, w
@@ -95,7 +103,13 @@ def _fake_deepgemm():
     def m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_indices, disable_ue8m0_cast=False):
         aq, as_, wq, ws = _chk(a, w)
         assert wq.dim() == 3 and m_indices.dtype == torch.int32 and m_indices.shape == (aq.shape[0],)
-        assert aq.shape[0] % 128 == 0 and out.shape == (aq.shape[0], wq.shape[1])
+        al = state["align"]
+        assert aq.shape[0] % al == 0 and out.shape == (aq.shape[0], wq.shape[1])
+        # every BLOCK_M (= alignment) tile belongs to one expert (or is padding): what the kernel's scheduler reads
+        tiles = m_indices.view(-1, al)
+        valid = tiles >= 0
+        first = tiles[:, :1].expand_as(tiles)
+        assert bool(((tiles == first) | ~valid).all()) and bool((~valid[:, :1] <= ~valid).all())
         calls["contiguous"] += 1
         for e in range(wq.shape[0]):
             rows = (m_indices == e).nonzero().flatten()
@@ -115,7 +129,9 @@ def _fake_deepgemm():
                 out[e, :n] = fp8_gemm_ref(aq[e, :n], as_[e, :n], wq[e], ws[e])
 
     return types.SimpleNamespace(fp8_gemm_nt=fp8_gemm_nt, m_grouped_fp8_gemm_nt_contiguous=m_grouped_fp8_gemm_nt_contiguous,
-                                 m_grouped_fp8_gemm_nt_masked=m_grouped_fp8_gemm_nt_masked, calls=calls)
+                                 m_grouped_fp8_gemm_nt_masked=m_grouped_fp8_gemm_nt_masked, calls=calls, state=state,
+                                 get_mk_alignment_for_contiguous_layout=get_mk_alignment_for_contiguous_layout,
+                                 set_mk_alignment_for_contiguous_layout=set_mk_alignment_for_contiguous_layout)
 
 
 def _fake_flashmla(cfg):
@@ -214,6 +230,7 @@ def test_emulated_captured_decode_step_has_no_host_sync(cuda_branches, mode):
         assert c.dg.calls["fp8_gemm_nt"] > 0 and c.dg.calls["masked"] > 0 and c.dg.calls["contiguous"] > 0
         assert c.fm.calls["decode"] > 0 and c.fm.calls["sparse_fwd"] > 0
         assert not any("rejected" in v for v in c.bc.CHOICES.values()), c.bc.CHOICES
+        assert c.dg.state["align"] == 256 and 256 in c.dg.state["cap"]  # BLOCK_M capped at the buffer's, restored
 
 
 def test_guard_would_catch_a_sync_in_the_decode_step(cuda_branches, monkeypatch):

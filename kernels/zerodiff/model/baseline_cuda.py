@@ -8,7 +8,8 @@ and the same CUDA-graph policy (pure-decode steps captured, mixed steps eager). 
   vLLM's ``per_token_group_quant_fp8`` implements; run here by ``zerodiff.ops.fp8_quant.quant_act``'s single
   fused kernel), then DeepGEMM ``fp8_gemm_nt`` (M-dependent kernel choice is DeepGEMM's own);
 * routed experts: DeepGEMM ``m_grouped_fp8_gemm_nt_masked`` in captured decode graphs (static capacity =
-  padded batch) and ``m_grouped_fp8_gemm_nt_contiguous`` in eager steps (segments aligned to 128), stock
+  padded batch) and ``m_grouped_fp8_gemm_nt_contiguous`` in eager steps (segments aligned to DeepGEMM's
+  ``get_mk_alignment_for_contiguous_layout()`` with BLOCK_M capped at it, as vLLM does), stock
   activation ``F.silu(g) * u`` in BF16 (two roundings) then the stock group quant, combine as one FP32
   ``(y * w).sum(1)`` (the reduction order torch picks);
 * attention: pure-decode tokens through FlashMLA's FP8 sparse decode ``flash_mla_with_kvcache``
@@ -100,13 +101,50 @@ def _row_expert_contiguous(counts: torch.Tensor, rows: int, align: int) -> torch
     return torch.where(inside, e, torch.full_like(e, -1)).to(torch.int32)
 
 
+def contiguous_align(dg) -> int:
+    """Per-expert row alignment of the contiguous layout: DeepGEMM's own (its BLOCK_M bound), as vLLM sizes its
+    workspace; 128 when the library does not say. A segment alignment below the kernel's BLOCK_M would make the
+    scheduler read the wrong expert id (an illegal memory access), so the calls also cap BLOCK_M at it."""
+    get = getattr(dg, "get_mk_alignment_for_contiguous_layout", None)
+    a = get() if get is not None else None
+    a = a[0] if isinstance(a, (list, tuple)) else a
+    try:
+        a = int(a)
+    except (TypeError, ValueError):
+        a = 128
+    return a if a > 0 and a % 64 == 0 else 128
+
+
+class _BlockMCap:
+    """Cap DeepGEMM's BLOCK_M heuristic at the buffer's alignment during the contiguous calls (restored after)."""
+
+    def __init__(self, dg, value):
+        self.get = getattr(dg, "get_mk_alignment_for_contiguous_layout", None)
+        self.set = getattr(dg, "set_mk_alignment_for_contiguous_layout", None)
+        self.value = value
+
+    def __enter__(self):
+        self.prev = None
+        if self.get is not None and self.set is not None:
+            p = self.get()
+            self.prev = p[0] if isinstance(p, (list, tuple)) else p
+            self.set(self.value)
+
+    def __exit__(self, *exc):
+        if self.prev is not None:
+            self.set(self.prev)
+        return False
+
+
 def _grouped(dg, a_q, a_s, w, plan, out, key):
     """One grouped GEMM of the dispatch ``plan`` (DeepGEMM, or the recorded Triton substitute)."""
     if key not in _FALLBACK:
         try:
             if plan.layout == "contiguous":
                 m_idx = _row_expert_contiguous(plan.counts, plan.rows, plan.align)
-                dg.m_grouped_fp8_gemm_nt_contiguous((a_q, a_s), (w.q, w.scale), out, m_idx, disable_ue8m0_cast=True)
+                with _BlockMCap(dg, plan.align):
+                    dg.m_grouped_fp8_gemm_nt_contiguous((a_q, a_s), (w.q, w.scale), out, m_idx,
+                                                        disable_ue8m0_cast=True)
             else:
                 E, C = w.q.shape[0], plan.cap_pad
                 dg.m_grouped_fp8_gemm_nt_masked((a_q.view(E, C, -1), a_s.view(E, C, -1)), (w.q, w.scale),
@@ -133,7 +171,8 @@ def moe_routed(x: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor, w13, w2, *
     k = ids.shape[1]
     E, I2 = w13.q.shape[0], w13.q.shape[1]
     layout = "masked" if graph else "contiguous"
-    plan = _moe.plan_dispatch(ids, E, layout=layout, capacity=T if graph else None, align=_moe.DG_ALIGN)
+    align = _moe.DG_ALIGN if graph else contiguous_align(dg)
+    plan = _moe.plan_dispatch(ids, E, layout=layout, capacity=T if graph else None, align=align)
     dev = x.device
     xq, xs = quant_act(x)
     tok = torch.arange(T, device=dev).repeat_interleave(k)
