@@ -18,11 +18,13 @@ Numerical contract (identical to ``zerodiff.reference.topk``, which states it in
   NaN is never selected (treated like a position past the row's length).
 * Output positions sorted DESCENDING, ``-1`` padding last (k > candidates, empty rows, all-NaN rows).
   Returned scores are the input's bits at those positions, ``-inf`` on padding.
-* Positions never depend on the batch: no float arithmetic at all (integer keys, exact counts), one
-  program per row, and the chunk size / warp count are chosen from the row width W only.
+* Positions never depend on the batch: no float arithmetic at all (integer keys, exact counts, integer
+  atomics whose sums are order-free), every program reads one row only (one program per row, or a fixed
+  number of slices per row in the split variant), and every configuration is chosen from the row width
+  W only, never from the number of rows.
 
-Kernel design, "single" (one kernel for prefill rows, decode rows and routing rows): one program per row. The k-th
-largest key is found by radix select on the 32 mapped score bits: 11-bit digits (10+11+11, at most 3
+Kernel design, "single" (one kernel for prefill rows, decode rows and routing rows): one program per
+row. The k-th largest key is found by radix select on the 32 mapped score bits: 11-bit digits (10+11+11, at most 3
 passes) for rows wider than 2048, 8-bit digits (at most 4 passes) for narrow rows; a pass that already
 isolates the boundary exactly ends the search early. Each pass is one ``tl.histogram`` (masked to the
 candidates that still match the prefix) per fixed-size chunk of the row. Ties at the threshold score are
@@ -50,7 +52,8 @@ Performance analysis (H200, 2026-11-30 graph timings, k=2048; why the single ker
 * Bytes: a 64K row is 256 KB; the single kernel reads it 4 times (3 radix passes + emission), 1 MB/row,
   1 GB at 1024 rows = 0.2 ms at H200 bandwidth. Flops: none (integer compares/shifts). Neither explains
   0.92 ms for ONE row or 6.58 ms for 1024 rows.
-* The cost is instruction issue inside ``tl.histogram``. Triton lowers it per warp as: one ballot per bit
+* The cost is instruction issue inside ``tl.histogram`` (estimate from the design of Triton's NVIDIA
+  lowering, not a profile). Triton lowers it per warp as: one ballot per bit
   of the bin index, then every lane builds the indicator of each of its NB/32 bins from those ballots
   (log2(NB) logic ops per bin) and popcounts it: about (NB/32)(log2 NB + 2) + log2 NB warp instructions
   per 32 elements -> ~26 warp-instr per element at NB=2048 (11-bit digits), ~12 at 1024, ~2.75 at 256,
