@@ -64,7 +64,10 @@ Performance analysis (H200, 2026-11-30 graph timings, k=2048; why the single ker
   rows=1 and rows=64 also leave most of the 132 SMs idle (one program per row).
 * Split default predicted cost: 2 x (2.75 + ~0.5) for the two 8-bit row levels + ~1 for the compaction
   ~ 7.5 warp-instr/element (about 10x less), spread over NS=16 programs per 64K row; the finishing
-  program handles ~k + (one 16-bit-prefix bin) elements (random rows: ~2100). Predictions (to be measured
+  program handles ~k + (one 16-bit-prefix bin) elements. Kept-list sizes computed on the CPU (k=2048,
+  W=64K; after 8 / 16 / 24 key bits): randn 20165 / 2065 / 2048, bf16-rounded 20052 / 2067 / 2067,
+  sum of 8 relus (indexer-like, non-negative) 48891 / 2098 / 2048, multiples of 1/8 21694 / 2270 / 2270:
+  one 8-bit level (LV=1) leaves 30-75% of the row to one program, two levels ~k. Predictions (to be measured
   by ``bench_topk.py --sweep``): rows=1 W=64K ~25-35 us (stock 77 us), rows=64 W=64K ~50 us (stock 128),
   rows=1024 W=64K ~0.5-0.7 ms (stock 0.91), rows=1024 W=8K ~0.1-0.15 ms (stock 0.20), rows=1 W=8K ~20 us
   (stock 67). Extra: 3 full-row reads instead of 4, the scratch round trip of the kept list.
