@@ -156,9 +156,19 @@ def aot_report():
                 "hc_eps": "fp32"}
 
     def build(fn, sig, const, cc, **opts):
+        # what a real launch specialises: 16-byte aligned pointers and K / H divisible by 16 (without
+        # these hints the loads compile to scalar 4-byte copies and the register counts mislead)
+        aligned = [i for i, (k, t) in enumerate(sig.items()) if t.startswith("*") or k in ("K", "H")]
         return triton.compile(ASTSource(fn=fn, signature=dict(sig, **{c: "constexpr" for c in const}),
-                                        constexprs=const),
+                                        constexprs=const, attrs={(i,): [["tt.divisibility", 16]] for i in aligned}),
                               target=GPUTarget("cuda", cc, 128), options=dict(enable_fp_fusion=False, **opts))
+
+    def loads(ptx):
+        import re
+
+        sizes = re.findall(r"cp\.async\.\w+\.shared\.global(?:\.L2::\w+)?\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x\w+|\d+)",
+                           ptx)
+        return f"cp.async x{len(sizes)} ({','.join(sorted(set(sizes)))} B) ld.global x{ptx.count('ld.global')}"
 
     epi_done = set()
     for name, v in mhc.VARIANTS.items():
@@ -175,7 +185,7 @@ def aot_report():
                         k = build(mhc._prenorm_splitk_kernel, gsig, const, cc, num_warps=v.warps,
                                   num_stages=v.stages)
                         print(f"gemm {what} {name:17s} H={H} S={S:3d} bps={bps:2d} sm_{cc}: {usage(k)} "
-                              f"shared={k.metadata.shared} {mma(k.asm['ptx'])}", flush=True)
+                              f"shared={k.metadata.shared} {mma(k.asm['ptx'])} {loads(k.asm['ptx'])}", flush=True)
                     except Exception as e:  # noqa: BLE001
                         print(f"gemm {what} {name} H={H} sm_{cc}: FAILED {type(e).__name__}: {str(e)[:300]}")
             if S in epi_done:

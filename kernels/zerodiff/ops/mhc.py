@@ -91,19 +91,24 @@ Performance analysis (H 7168, hc 4: K = n*H = 28672, 24 mixes; H200, 2026-11-30)
 * Measured default (fp32_s1): 1.07 ms at T=1 and 64, 1.12 at 2048, 4.30 at 8192 (stock 0.034 / 0.030 /
   0.086 / 0.272), of which the projection 1.06-4.16 ms and the epilogue 0.014-0.15 ms. The projection
   time is (waves of programs) x 448 serial k-blocks x ~2.4 us per block: one program per 16 rows walks
-  all of K with a masked (scalar) load and a CUDA-core fp32 dot per block; T <= 2048 is < 1 wave (same
-  1.07 ms), T = 8192 is 4 waves (4.16 ms). fixed8 / fixed16 (0.147 / 0.083 ms at T=1) scale as 1/S,
-  confirming the per-program serial walk; at T=2048+ they did not help because the FMA dot is the
-  limit (3.6 TFLOPS achieved).
+  all of K, each block a CUDA-core fp32 dot (Triton's FMA lowering, operands re-read from shared
+  memory) behind the default 3-stage 16-byte cp.async pipeline (AOT PTX: the loads are vectorised, so
+  the per-block cost is the FMA dot plus latency, not the loads); T <= 2048 is < 1 wave (same 1.07 ms),
+  T = 8192 is 4 waves (4.16 ms). fixed8 / fixed16 (0.147 / 0.083 ms at T=1) scale as 1/S, confirming the
+  per-program serial walk; at T=2048+ they did not help because the FMA dot is the limit (3.6 TFLOPS).
 * What the variants change: (1) S fixed by K spreads decode over S programs (112 x 4 blocks instead of
   1 x 448): predicted projection ~3-6 us at T <= 64, i.e. mhc_pre ~0.02-0.03 ms with the ~14 us
-  epilogue (stock 0.030-0.034); (2) unmasked (EVEN_K) vectorised loads; (3) tensor cores (TF32 / bf16x3)
+  epilogue (stock 0.030-0.034; the ``*_e1`` one-warp epilogue targets that 14 us); (2) a constexpr
+  trip count (bps) with no k mask when K divides (EVEN_K); (3) tensor cores (TF32 / bf16x3)
   so the prefill projection is bound by reading x (0.1 ms at T=8192) rather than by FMA throughput;
   with the partials (S x 0.82 MB per 8192 tokens, x2) and the 0.15 ms epilogue, predicted mhc_pre at
   T=8192 ~0.27-0.30 ms for S = 16-32 (~0.31 for S = 112) vs stock 0.272, and at T=2048 ~0.08-0.1 ms vs
   0.086. hc_head gets the same projection (4 mixes, tile width 16): predicted ~0.02 ms at T=1 (1.06 ms
-  now, torch eager 0.046). AOT (Triton 3.8, sm_90a): tensor-core variants 168-174 registers with 8
-  warps (4 warps: 255), no spills, ``wgmma``; sm_100a ``tcgen05``; ``benchmarks/bench_mhc.py --aot``.
+  now, torch eager 0.046). AOT with launch-like alignment hints (``benchmarks/bench_mhc.py --aot``;
+  Triton 3.6 = the H200's, and 3.8), sm_90a: tf32 / bf16x3 72-76 registers at 8 warps (4 warps:
+  96-125), tf32x3 146-167, ieee 56-70, one-warp epilogue 70, no spills anywhere, every load a 16-byte
+  cp.async, ``wgmma``; sm_100a: 55-64 registers, ``tcgen05``. Without the hints (pointer / K
+  divisibility) the AOT loads degrade to 4-byte copies and the counts reach 255: not what runs.
 * Recommended switch (pending the sweep): ``DEFAULT_VARIANT = DEFAULT_HEAD_VARIANT = "bf16x3_s<S>"``
   with the S whose worst ratio over T is best (expected 32 or 112); ``tf32_s<S>`` if bf16x3 is
   measurably slower and TF32 accuracy (upstream's own) is accepted. Never choose S from T.
