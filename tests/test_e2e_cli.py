@@ -76,22 +76,23 @@ def test_bench_cpu_writes_json(tmp_path, capsys):
 
 def test_check_time_budget_stops_cleanly_and_keeps_results(tmp_path, monkeypatch, capsys):
     """--time-budget: the run stops before a step that would end past the budget; the steps that ran are
-    reported, written to JSON and decide the verdict (here: 1 step ran, diff = 0 -> exit 0)."""
+    reported, written to JSON and decide the verdict (here: 2 steps ran, diff = 0 -> exit 0)."""
     calls = []
 
     def over(args, t0, last_s):
         calls.append(last_s)
-        return len(calls) > 1  # the budget "runs out" after the first step
+        return len(calls) > 2  # the budget "runs out" after the second step
 
     monkeypatch.setattr(e2e_cli, "_over_budget", over)
     out = tmp_path / "check.json"
     rc = e2e_cli.main(["check", "--config", "cpu", "--steps", "50", "--time-budget", "100", "--json", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
-    assert doc["steps_run"] == 1 and doc["stopped_by_time_budget"] and doc["passed"] and doc["steps"] == 50
-    assert calls[1] > 0  # the estimate uses the last step's duration
+    assert doc["steps_run"] == 2 and doc["stopped_by_time_budget"] and doc["passed"] and doc["steps"] == 50
+    assert calls[1] == 0  # step 0 (JIT compilations) does not predict the next step
+    assert calls[2] > 0  # later estimates use the last step's duration
     text = capsys.readouterr().out
-    assert "stopping cleanly after 1 of 50 steps" in text and "time budget reached: 1 of 50 requested" in text
+    assert "stopping cleanly after 2 of 50 steps" in text and "time budget reached: 2 of 50 requested" in text
 
 
 def test_check_time_budget_exhausted_before_any_step_fails(tmp_path):
@@ -101,3 +102,37 @@ def test_check_time_budget_exhausted_before_any_step_fails(tmp_path):
     assert rc == 1  # nothing was checked: never a pass
     doc = json.loads(out.read_text())
     assert doc["steps_run"] == 0 and doc["stopped_by_time_budget"] and doc["passed"] is False
+
+
+def test_profile_compile_log_counts_per_kernel(monkeypatch):
+    """The compile log wraps JITFunction._do_compile: each call is logged under the kernel's name, and a kernel
+    compiled more than twice has its keys listed (the symptom of a per-shape recompilation)."""
+    import types
+
+    import pytest
+
+    jit = pytest.importorskip("triton.runtime.jit")
+    from zerodiff import profiling
+
+    monkeypatch.setattr(jit.JITFunction, "_do_compile", lambda self, key, sig, dev, cx, *a, **k: "kernel", raising=False)
+
+    class _Fn:
+        def __init__(self, name):
+            self.fn = types.SimpleNamespace(__name__=name)
+
+    log = profiling._CompileLog()
+    assert log.install()
+    for i in range(3):
+        assert jit.JITFunction._do_compile(_Fn("_k_rows"), i, None, 0, {"BLOCK": i}) == "kernel"
+    jit.JITFunction._do_compile(_Fn("_k_once"), 0, None, 0, {})
+    log.uninstall()
+    rep = log.report()
+    assert "Triton compilations: 4" in rep and "_k_rows" in rep and "{'BLOCK': 2}" in rep
+
+
+def test_profile_flag_writes_report(tmp_path):
+    prof = tmp_path / "prof.txt"
+    rc = e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--quiet", "--profile", str(prof)])
+    assert rc == 0
+    text = prof.read_text()
+    assert "Triton compilations" in text and "cProfile, top" in text and "forward_step" in text

@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         ap.print_help()
         return 2
-    return int(args.func(args) or 0)
+    from .profiling import profiled
+
+    with profiled(getattr(args, "profile", None)):
+        return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":
