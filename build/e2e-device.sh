@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # The one command of the end-to-end H200 run (issue 6). Run from the repository root on the GPU machine:
 #
-#   build/e2e-device.sh [--total SECONDS] [--config h200] [--steps 100] [--skip-tests]
+#   build/e2e-device.sh [--total SECONDS] [--config h200] [--steps 100] [--skip-tests] [--tests "FILES"]
 #
 # Stages, each in its own process with its own timeout (a failing or slow stage never loses the others):
-#   1. GPU end-to-end tests           pytest -m gpu tests/test_e2e_gpu.py                 (timeout 80 s)
+#   0. warm-up                        zerodiff warmup: DeepGEMM's M-dependent kernels compiled in parallel
+#   1. GPU end-to-end tests           pytest -m gpu tests/test_e2e_gpu.py                 (one GPU only)
 #   2. acceptance run                 zerodiff check --config h200 --steps 100 --time-budget (rest of the time)
-#   3. negative control               zerodiff check --config h200 --steps 3 --baseline   (timeout 55 s)
-#   4. throughput                     zerodiff bench --config h200 --steps 5              (timeout 105 s)
-# The check gets whatever stages 1, 3 and 4 leave of --total (default 470 s, i.e. one ~8-minute call); its
-# --time-budget makes it stop cleanly, reporting how many steps ran. Every JSON is rewritten after each step.
-# If fewer than --steps fit: raise --total up to the call's limit (600 s max per device call), or --skip-tests.
+#   3. negative control               zerodiff check --config h200 --steps 3 --baseline
+#   4. throughput                     zerodiff bench --config h200 --steps 5
+#   5. more GPU tests                 --tests "tests/test_a.py ..." (two GPUs only, in the time left)
+# With two or more GPUs: the warm-up runs on all of them; the check starts at once on GPU 0 (it meets the
+# configurations the warm-up is compiling: whoever is first compiles, the cache is shared); GPU 1 waits for the
+# warm-up, then runs 3, 4, then test_e2e_gpu.py and the --tests files. With one GPU: 0, 1, 2, 3, 4 in turn,
+# the check getting what the others leave of --total. The check's --time-budget makes it stop cleanly,
+# reporting how many steps ran; every JSON is rewritten after each step.
 #
 # Outputs under $OUT (few files on purpose; at most 8 come back from a lent machine):
 #   summary.txt  check_h200.json  base_h200.json  bench_h200.json  bench_h200.png  logs.tar.gz
-# logs.tar.gz holds env.txt, every stage's full log and the pytest junit XML.
+# logs.tar.gz holds env.txt, every stage's full log, the warm-up log and the GPU tests (pytest log, junit XML).
 # Needs: python3 with CUDA torch + Triton + pytest; DeepGEMM/FlashMLA from an installed vLLM or from
 # build/wheel-kernels (unpacked from .carry/wheel-kernels.tar.gz when missing). No network, no pip.
 set -uo pipefail
@@ -22,19 +26,19 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${OUT:-$ROOT/results/e2e-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
-TOTAL=470; CONFIG=h200; STEPS=100; SKIP_TESTS=0
+TOTAL=470; CONFIG=h200; STEPS=100; SKIP_TESTS=0; MORE_TESTS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --total) TOTAL="$2"; shift ;;
     --config) CONFIG="$2"; shift ;;
     --steps) STEPS="$2"; shift ;;
     --skip-tests) SKIP_TESTS=1 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --tests) MORE_TESTS="$2"; shift ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
 done
-T_TESTS=80; T_BASE=55; T_BENCH=105
 PY=${PYTHON:-python3}
 export PYTHONPATH="$ROOT/kernels${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -80,32 +84,70 @@ stage() {
   return 0
 }
 
-# 1. GPU end-to-end tests
-if [ "$SKIP_TESTS" = 1 ]; then note "== gpu_tests skipped (--skip-tests)"; else
-stage gpu_tests "$T_TESTS" $PY -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_e2e_gpu.py \
-  --junitxml="$W/junit-e2e-gpu.xml"
-grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|E2E_GRAD_ERRORS" "$W/gpu_tests.log" | cut -c1-400 | tail -n 12 | tee -a "$SUM"
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+T_WARM=200
+WARM_CFG=(--config "$CONFIG")
+[ "$SKIP_TESTS" = 1 ] || [ "$CONFIG" = gpu_small ] || WARM_CFG+=(--config gpu_small)
+check_stage() {  # $1: seconds available
+  local t=$1
+  [ "$t" -lt 60 ] && t=60
+  stage check "$t" $PY -m zerodiff.e2e_cli check --config "$CONFIG" --steps "$STEPS" \
+    --time-budget $(( t - 25 )) --json "$OUT/check_$CONFIG.json"
+  grep -E "^\[|^(PASS|FAIL)|time budget|zerodiff: step|first diverging|Error|error" "$W/check.log" | tail -n 8 | cut -c1-300 | tee -a "$SUM"
+}
+baseline_stage() {
+  stage baseline "$T_BASE" $PY -m zerodiff.e2e_cli check --config "$CONFIG" --steps 3 --baseline \
+    --time-budget $(( T_BASE - 15 )) --json "$OUT/base_$CONFIG.json"
+  grep -E "^\[|^(PASS|FAIL)|baseline kernel|Error|error" "$W/baseline.log" | tail -n 14 | cut -c1-300 | tee -a "$SUM"
+}
+bench_stage() {  # $1: seconds available
+  local t=$1
+  [ "$t" -gt "$T_BENCH" ] && t=$T_BENCH
+  [ "$t" -lt 45 ] && t=45
+  stage bench "$t" $PY -m zerodiff.e2e_cli bench --config "$CONFIG" --steps 5 --warmup 1 \
+    --time-budget $(( t - 15 )) --json "$OUT/bench_$CONFIG.json" --png "$OUT/bench_$CONFIG.png"
+  grep -E "^step|rollout output tokens|baseline kernel|captured|Error|error" "$W/bench.log" | tail -n 16 | cut -c1-300 | tee -a "$SUM"
+}
+tests_stage() {  # $1: seconds available, $2: test files
+  local t=$1
+  [ "$t" -lt 30 ] && { note "== gpu tests skipped: ${t}s left"; return 0; }
+  note "== gpu tests (timeout ${t}s, t=$(elapsed)s): $2"
+  ZD_TEST_FILES="$2" ZD_SKIP_UNPACK=1 PYTEST_ADDOPTS="--timeout=150" OUT="$W/tests" \
+    timeout -k 10 "$t" build/gpu-suite.sh --tests-only >"$W/gpu_tests.log" 2>&1
+  cat "$W/tests/files.txt" 2>/dev/null | tee -a "$SUM"
+  grep -E "^(FAILED|ERROR)|E2E_GRAD_ERRORS" "$W/tests/pytest.log" 2>/dev/null | cut -c1-300 | tail -n 20 | tee -a "$SUM"
+}
+
+if [ "$NGPU" -ge 2 ]; then
+  T_BASE=70; T_BENCH=130
+  note "== warmup (background, timeout ${T_WARM}s, t=$(elapsed)s): zerodiff warmup ${WARM_CFG[*]}"
+  timeout -k 10 "$T_WARM" $PY -m zerodiff.e2e_cli warmup "${WARM_CFG[@]}" >"$W/warmup.log" 2>&1 &
+  WPID=$!
+  ( export CUDA_VISIBLE_DEVICES=0; check_stage $(( TOTAL - $(elapsed) - 10 )) ) &
+  CPID=$!
+  wait $WPID; note "   warmup: rc=$? at t=$(elapsed)s: $(tail -n 1 "$W/warmup.log")"
+  (
+    export CUDA_VISIBLE_DEVICES=1
+    baseline_stage
+    bench_stage $(( TOTAL - $(elapsed) - 40 ))
+    files="$MORE_TESTS"
+    [ "$SKIP_TESTS" = 1 ] || files="tests/test_e2e_gpu.py $files"
+    [ -n "$files" ] && tests_stage $(( TOTAL - $(elapsed) - 15 )) "$files"
+  ) &
+  wait
+else
+  T_BASE=55; T_BENCH=105
+  stage warmup "$T_WARM" $PY -m zerodiff.e2e_cli warmup "${WARM_CFG[@]}"
+  tail -n 1 "$W/warmup.log" | tee -a "$SUM"
+  if [ "$SKIP_TESTS" = 1 ]; then note "== gpu_tests skipped (--skip-tests)"; else
+    stage gpu_tests 80 $PY -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_e2e_gpu.py \
+      --junitxml="$W/junit-e2e-gpu.xml"
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|E2E_GRAD_ERRORS" "$W/gpu_tests.log" | cut -c1-400 | tail -n 12 | tee -a "$SUM"
+  fi
+  check_stage $(( TOTAL - $(elapsed) - T_BASE - T_BENCH - 10 ))
+  baseline_stage
+  bench_stage $(( TOTAL - $(elapsed) - 5 ))
 fi
-
-# 2. acceptance: as many of the requested steps as the time left allows (stops cleanly)
-LEFT=$(( TOTAL - $(elapsed) - T_BASE - T_BENCH - 10 ))
-[ $LEFT -lt 60 ] && LEFT=60
-stage check "$LEFT" $PY -m zerodiff.e2e_cli check --config "$CONFIG" --steps "$STEPS" \
-  --time-budget $(( LEFT - 25 )) --json "$OUT/check_$CONFIG.json"
-grep -E "^\[|^(PASS|FAIL)|time budget|zerodiff: step|first diverging|Error|error" "$W/check.log" | tail -n 8 | cut -c1-300 | tee -a "$SUM"
-
-# 3. negative control: the stock baseline on both sides must show diff > 0
-stage baseline "$T_BASE" $PY -m zerodiff.e2e_cli check --config "$CONFIG" --steps 3 --baseline \
-  --time-budget $(( T_BASE - 15 )) --json "$OUT/base_$CONFIG.json"
-grep -E "^\[|^(PASS|FAIL)|baseline kernel|Error|error" "$W/baseline.log" | tail -n 14 | cut -c1-300 | tee -a "$SUM"
-
-# 4. throughput, consistent vs baseline on the same requests
-LEFT=$(( TOTAL - $(elapsed) - 5 ))
-[ $LEFT -gt $T_BENCH ] && LEFT=$T_BENCH
-[ $LEFT -lt 45 ] && LEFT=45
-stage bench "$LEFT" $PY -m zerodiff.e2e_cli bench --config "$CONFIG" --steps 5 --warmup 1 \
-  --time-budget $(( LEFT - 15 )) --json "$OUT/bench_$CONFIG.json" --png "$OUT/bench_$CONFIG.png"
-grep -E "^step|rollout output tokens|baseline kernel|captured|Error|error" "$W/bench.log" | tail -n 16 | cut -c1-300 | tee -a "$SUM"
 
 note "done in $(elapsed)s"
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs 2>/dev/null && rm -rf "$W"

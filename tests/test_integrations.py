@@ -1120,8 +1120,9 @@ def test_gpu_dsv4_decode_equals_prefill_path_flashmla(cr):
         others = [i for i in range(T) if i != victim]
         for B in (2, 15, 16, 17, 33, 64):
             for at in sorted({0, B // 2, B - 1}):
-                order = others[rnd:rnd + B - 1]
+                order = (others[rnd:] + others[:rnd])[:B - 1]  # B - 1 neighbours, a different set per round
                 order.insert(at, victim)
+                assert len(order) == B
                 assert torch.equal(decode(order)[at], alone[0]), (cr, rnd, B, at)
     if cr > 1:
         rev = _ds_prefill_flashmla(fm, q_all, d, list(range(T)), cr, w0, scale, sink, topk_rev=True)

@@ -91,6 +91,9 @@ def register(subparsers) -> None:
     c.add_argument("--save", default=None, help="save a checkpoint here at the end")
     c.add_argument("--resume", default=None, help="start from this checkpoint")
     c.set_defaults(func=cmd_check)
+    from .warmup import add_parser as _add_warmup
+
+    _add_warmup(subparsers)
     b = subparsers.add_parser(
         "bench", help="rollout tokens/s, consistent vs baseline, same requests, one run (JSON + PNG)",
         description="Rollout output tokens/s of the consistent mode vs the stock baseline on the same requests in "
