@@ -79,10 +79,11 @@ CPU = Preset("cpu", ModelConfig(), RolloutConfig())
 
 # H200 acceptance preset: the per-head shapes of DeepSeek-V4-Flash's attention (64 query heads, 512 + 64 latent,
 # 128-wide DSA indexer with 64 heads, top-k 2048 over contexts of 1.5K-3.6K tokens), 32 routed experts (top-6) +
-# a shared expert, 2 layers. Sized from the H200 kernel timings of 2026-11-30 (docs/data/bench-h200-2026-11-30):
-# per RL step ~8 requests x ~2.6K prompt tokens (~20K prefill tokens: ~0.3 s), ~30 decode steps of <= 8 rows in
-# CUDA graphs, a training forward+backward whose STE attention graph is dense per sequence (~0.5 s), one AdamW
-# step over ~0.75B parameters: ~2-3 s per step, so `zerodiff check --config h200 --steps 100` takes ~4-5 minutes.
+# a shared expert, 2 layers. Per RL step 6 requests (3 prompts x 2 responses) x ~2.6K prompt tokens (~16K prefill
+# tokens), ~30 decode steps of <= 6 rows in CUDA graphs, a training forward+backward whose STE attention graph is
+# dense per micro-batch, one AdamW step over ~0.75B parameters. Measured on the H200 (2026-11-30, 8 requests per
+# step, warm JIT caches): ~0.7 s rollout + ~3 s training per step; the first run on a machine also compiles
+# DeepGEMM's M-dependent kernels (`zerodiff warmup` does that ahead, in parallel).
 H200 = Preset(
     "h200",
     ModelConfig(
@@ -91,7 +92,7 @@ H200 = Preset(
         routed_scale=2.5, max_pos=4096, init_std=0.02,
     ),
     RolloutConfig(
-        prompts_per_step=4, responses_per_prompt=2, prompt_len=(1536, 3584), response_len=(16, 48),
+        prompts_per_step=3, responses_per_prompt=2, prompt_len=(1536, 3584), response_len=(16, 48),
         block_size=64, num_blocks=1024, token_budget=(2048, 8192), max_batch=(2, 8),
         reward_tokens=4096, graph_batch_sizes=(1, 2, 4, 8),
     ),
