@@ -13,8 +13,8 @@
 # With two or more GPUs: the warm-up runs on all of them; the check starts at once on GPU 0 (it meets the
 # configurations the warm-up is compiling: whoever is first compiles, the cache is shared); GPU 1 waits for the
 # warm-up, then runs 3, 4, then test_e2e_gpu.py and the --tests files. With one GPU: the check starts at once
-# next to the warm-up, 3 and the tests (1, 5) share the GPU with it, 4 runs alone once the check has ended
-# (the check gets --total minus the bench's share). The check's --time-budget makes it stop cleanly, reporting
+# next to the warm-up, the tests (1, 5) share the GPU with it, 3 and 4 run once the check has ended (the check
+# gets --total minus their share). The check's --time-budget makes it stop cleanly, reporting
 # how many steps ran; every JSON is rewritten after each step.
 #
 # Outputs under $OUT (few files on purpose; at most 8 come back from a lent machine):
@@ -137,22 +137,23 @@ if [ "$NGPU" -ge 2 ]; then
   ) &
   wait
 else
-  # one GPU: the check starts at once next to the warm-up; the negative control and the GPU tests share the GPU
-  # with it (kernel bits do not depend on a neighbour process; their timings are not reported); the throughput
-  # bench runs last, alone on the GPU.
-  T_BASE=70; T_BENCH=100
-  CHECK_END=$(( TOTAL - T_BENCH - 15 ))
+  # one GPU: the check starts at once next to the warm-up; the GPU tests share the GPU with it (kernel bits do
+  # not depend on a neighbour process; their timings are not reported); the negative control and the throughput
+  # bench run after the check (the check's training graph holds most of the GPU memory: a baseline run next to
+  # it ran out of memory on the H200, 2026-11-30), the bench alone on the GPU.
+  T_BASE=50; T_BENCH=100
+  CHECK_END=$(( TOTAL - T_BENCH - T_BASE - 15 ))
   note "== warmup (background, timeout ${T_WARM}s, t=$(elapsed)s): zerodiff warmup ${WARM_CFG[*]}"
   timeout -k 10 "$T_WARM" $PY -m zerodiff.e2e_cli warmup "${WARM_CFG[@]}" >"$W/warmup.log" 2>&1 &
   WPID=$!
   check_stage $(( CHECK_END - $(elapsed) )) &
   CPID=$!
   wait $WPID; note "   warmup: rc=$? at t=$(elapsed)s: $(tail -n 1 "$W/warmup.log")"
-  baseline_stage
   files="$MORE_TESTS"
   [ "$SKIP_TESTS" = 1 ] || files="tests/test_e2e_gpu.py $files"
   [ -n "$files" ] && tests_stage $(( CHECK_END - $(elapsed) )) "$files"
   wait $CPID
+  baseline_stage
   bench_stage $(( TOTAL - $(elapsed) - 5 ))
 fi
 
