@@ -16,8 +16,8 @@ decode (one query row per request, 64 heads, d_qk 576, d_v 512, top-k 2048, 656-
 prefill (T rows of one request, each attending to its own causal top-k):
   stock     = vLLM-style: dequantise the request's cache with torch ops, then ``flash_mla_sparse_fwd``
   ours      = the split kernel; workspace_ms = ``sparse_mla_attention(backend="flashmla", workspace="per_request")``
---sweep: times every named split variant (``sa.SPLIT_VARIANTS``: "default" = shipped, "pf" / "pf_s2" = same bits
-  with hand-pipelined 16-byte loads and a column-split merge, "pf_bn2x" / "pf_chunk2x" / "pf_bh2x" = other tiles)
+--sweep: times every named split variant (``sa.SPLIT_VARIANTS``: "default" = shipped, "pf" / "pf_s2" = default's tiles
+  with hand-pipelined 16-byte loads and a column-split merge (other bits on the H200), "pf_bn2x" / "pf_chunk2x" / "pf_bh2x" = other tiles)
   against the same stock kernel at B = 1 / 64 / 128 / 256 (graph replay; rows "decode_variant[graph]" with the
   partial / merge launches timed alone and whether the variant's bits equal default's on these inputs) and in
   prefill (T = 1024, rows "prefill_variant"); without --quick also the raw tile configs of SWEEP for both the

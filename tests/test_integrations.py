@@ -1043,10 +1043,10 @@ def _ds_prefill_flashmla(fm, q, d, reqs, cr, width, sm_scale, sink, topk_rev=Fal
         ws[b, N:N + gl] = zv.dsv4_dequant_rows(d["scache"], d["sbs"], d["sbt"][r].long()[p // d["sbs"]], p % d["sbs"])
         tl_ = min(L // cr, d["top_k"]) if cr > 1 else 0
         top = (d["topk"][r, :tl_].long() if d["topk"] is not None else torch.arange(tl_, device=dev))
-        if topk_rev:
-            top = top.flip(0)
         s0 = max(L - 1 - (W_s - 1), 0)
         lst = torch.cat([top, N + torch.arange(s0, L, device=dev) - (L - gl)]) + M * b
+        if topk_rev:  # the whole list (compressed + window) reversed: entries move across the kernel's 64-blocks
+            lst = lst.flip(0)
         idx[b, 0, :lst.numel()] = lst.int()
         lens[b] = lst.numel()
     out = torch.empty(B, q.shape[1], zv.DSV4_HEAD_DIM, dtype=torch.bfloat16, device=dev)
@@ -1061,7 +1061,9 @@ def test_gpu_dsv4_decode_equals_prefill_path_flashmla(cr):
     """On the H200 with the vLLM wheel's FlashMLA: a decode token through dsv4_decode_attention is bit-identical
     to the same token through vLLM's prefill layout (other workspace numbering, other padded widths: the
     batch-dependent C128A width is covered), alone and among 1..64 other requests at 3 positions, 3 rounds.
-    Negative control: the same entries with the top-k reversed differ (index order is part of the contract)."""
+    Negative control: the same entries in reversed order differ (index order is part of the contract). The whole
+    list is reversed: on the H200 (2026-11-30) reversing only the C128A compressed part (<= 47 entries, inside one
+    of flash_mla_sparse_fwd's 64-entry blocks) gave the same bits, so that control could not fail."""
     from zerodiff import backends
 
     fm = backends.flash_mla()

@@ -541,13 +541,13 @@ def test_gpu_pre_victim_in_batch(H):
                     _assert_rows_equal(a[pos], b[0], f"H={H} {name}: victim at {pos} of T={T}, round {rnd}")
 
 
-def _assert_close_bf16(out, ref_out):
-    """Closeness of a BF16 stream aggregate to the float64 reference: 2^-7 relative plus 2^-8 of the row's
-    mean magnitude. A pure ulp bound is wrong here: elements near zero come from cancelling sums, where
+def _assert_close_bf16(out, ref_out, mean_frac=2.0**-8):
+    """Closeness of a BF16 stream aggregate to the float64 reference: 2^-7 relative plus ``mean_frac`` (2^-8) of
+    the row's mean magnitude. A pure ulp bound is wrong here: elements near zero come from cancelling sums, where
     the GPU's approximate exp (in the mixing weights) moves the result across many bf16 ulps of a tiny
     value (measured on the H200, 2026-11-30: up to 31810 ulps on such elements)."""
     o, r = out.float(), ref_out.float()
-    atol = 2.0**-8 * r.abs().mean(dim=-1, keepdim=True)
+    atol = mean_frac * r.abs().mean(dim=-1, keepdim=True)
     bad = (o - r).abs() > 2.0**-7 * r.abs() + atol
     assert not bool(bad.any()), f"{int(bad.sum())} of {bad.numel()} elements outside tolerance"
 
@@ -721,7 +721,9 @@ def test_gpu_variant_victim_in_batch_accuracy_and_control(name):
         f"{name}: post max diff {(post.cpu() - post_r).abs().max().item():.3g}"
     assert torch.allclose(comb.cpu(), comb_r, rtol=1e-4, atol=c_atol), \
         f"{name}: comb max diff {(comb.cpu() - comb_r).abs().max().item():.3g}"
-    _assert_close_bf16(li.cpu(), li_r)
+    # TF32 variants: the mixing weights carry TF32's input rounding (projection bound 2^-8, not 2^-12); with the
+    # fp32-class 2^-8 row-mean term, 1-2 of 458752 layer-input elements fell outside on the H200 (2026-11-30).
+    _assert_close_bf16(li.cpu(), li_r, mean_frac=2.0**-6 if v.precision == "tf32" else 2.0**-8)
     # negative control on the same victim: the stock split count from T changes its bits, ours does not
     big = _streams(g, 1000, H, "cuda")
     big[500] = victim[0]

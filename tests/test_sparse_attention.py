@@ -357,9 +357,10 @@ def test_split_variant_configs_fixed_per_shape_and_fail_closed():
             cfg = sa.split_variant_config(v, *dims)
             assert cfg == sa.split_variant_config(v, *dims) and cfg["CHUNK"] % cfg["BLOCK_N"] == 0, (v, dims)
             assert dims[0] % cfg.get("MERGE_DV", dims[0]) == 0
-    for v in sa.SPLIT_SAME_BITS_AS_DEFAULT:  # same tiles as default: only schedule / merge grid differ
+    for v in ("pf", "pf_s2"):  # same tiles as default: only schedule / merge grid differ
         a, b = sa.split_variant_config(v), sa.split_config()
         assert all(a[k] == b[k] for k in ("BLOCK_H", "BLOCK_N", "CHUNK", "num_warps", "MERGE_BH")), v
+    assert sa.SPLIT_SAME_BITS_AS_DEFAULT == ()  # "pf" differs from "default" on the H200 (2026-11-30)
     g = torch.Generator().manual_seed(0)
     cache, bt, pos, req, q = _split_inputs(g, lens=(20,), W=8, H=4, adversarial=False)
     with pytest.raises(ValueError, match="variant 'nope' unknown"):
@@ -376,12 +377,13 @@ def test_split_variant_configs_fixed_per_shape_and_fail_closed():
         sa.sparse_mla_attention_fp8_split(q[:1], odd, bt, req[:1], pos[:1], 0.1, **SMALL, variant="pf")
 
 
-def test_split_pipelined_variant_same_bits_as_default(seeded):
-    """"pf" (hand-pipelined loads, column-split merge) runs the default's arithmetic in the default's order: the
-    same bits on adversarial rows (chunk boundaries, empty chunks, -1 interleaved, lonely row, exact ties, +-0,
-    denormals, sink) and the same NaN poisoning of an unchecked bad slot. (pf_s2 differs from pf only by
-    num_stages, which the interpreter ignores: checked on the GPU.) The default's own victim-in-batch test
-    therefore covers pf here; the GPU test re-checks both claims on the compiled kernels."""
+def test_split_pipelined_variant_same_bits_as_default_in_the_interpreter(seeded):
+    """"pf" (hand-pipelined loads, column-split merge) has the default's statements in the default's order: in
+    the interpreter (which executes the source as written) the same bits on adversarial rows (chunk boundaries,
+    empty chunks, -1 interleaved, lonely row, exact ties, +-0, denormals, sink) and the same NaN poisoning of an
+    unchecked bad slot. A structural check of the source only: on the H200 the compiled kernels differ in 5448
+    values (``sa.SPLIT_SAME_BITS_AS_DEFAULT`` is empty; the GPU variant test checks each variant's own
+    invariance)."""
     g = seeded()
     cache, bt, pos, req, q = _split_inputs(g)
     rows = torch.tensor([89, 60, 3, 120, 100, 0, 44])
