@@ -142,3 +142,20 @@ def test_profile_flag_writes_report(tmp_path):
     assert rc == 0
     text = prof.read_text()
     assert "Triton compilations" in text and "cProfile, top" in text and "forward_step" in text
+
+
+def test_mhc_variant_option_is_validated_and_recorded(tmp_path, monkeypatch):
+    from zerodiff.ops import mhc
+
+    monkeypatch.setattr(mhc, "DEFAULT_VARIANT", mhc.DEFAULT_VARIANT)
+    monkeypatch.setattr(mhc, "DEFAULT_HEAD_VARIANT", mhc.DEFAULT_HEAD_VARIANT)
+    import pytest
+
+    with pytest.raises(SystemExit, match="not one of"):
+        e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--quiet", "--mhc-variant", "fp32_s7"])
+    out = tmp_path / "c.json"
+    assert e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--quiet", "--mhc-variant", "ieee_s16",
+                         "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["kernel_variants"]["mhc"] == "ieee_s16" == doc["kernel_variants"]["mhc_head"]
+    assert doc["reports"][0]["bitwise_equal"]

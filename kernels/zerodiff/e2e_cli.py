@@ -70,6 +70,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="stop cleanly before a step would end past SECONDS since the command started (the steps "
                         "that ran are reported and written; the JSON is also rewritten after every step)")
+    p.add_argument("--mhc-variant", default=None, metavar="NAME",
+                   help="run mHC pre / hc_head with this zerodiff.ops.mhc.VARIANTS entry instead of the shipped "
+                        "default, on BOTH sides of this process (an experiment: the bits change with the variant; "
+                        "a real deployment must switch rollout and training together)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="write where the wall time went to FILE: every Triton compilation (per kernel) and the "
                         "top Python functions (cProfile)")
@@ -134,7 +138,20 @@ def _baseline_kernels() -> dict:
     return baseline_cuda.choices_text()
 
 
+def _kernel_variants(args) -> dict:
+    """Apply ``--mhc-variant`` (validated) and return the kernel variants this process runs (for the JSON)."""
+    from .ops import mhc, topk
+
+    name = getattr(args, "mhc_variant", None)
+    if name is not None:
+        if name not in mhc.VARIANTS:
+            raise SystemExit(f"zerodiff: --mhc-variant {name!r} is not one of {sorted(mhc.VARIANTS)}")
+        mhc.DEFAULT_VARIANT = mhc.DEFAULT_HEAD_VARIANT = name
+    return {"mhc": mhc.DEFAULT_VARIANT, "mhc_head": mhc.DEFAULT_HEAD_VARIANT, "topk": topk.VARIANT}
+
+
 def cmd_check(args) -> int:
+    variants = _kernel_variants(args)
     from .model.config import default_preset_name
     from .rl.loop import DiffError, RLRun
     from .rl.report import format_table
@@ -153,7 +170,8 @@ def cmd_check(args) -> int:
             "device": _device_name(device), "config": cfg_name, "mode": mode, "seed": args.seed,
             "steps": args.steps, "steps_run": len(reports), "stopped_by_time_budget": stopped_by_budget,
             "time_budget_s": args.time_budget, "passed": passed, "elapsed_s": round(time.perf_counter() - t0, 2),
-            "restore_at": args.restore_at, "torch": torch.__version__, "reports": reports, "failure": failure,
+            "restore_at": args.restore_at, "torch": torch.__version__, "kernel_variants": variants,
+            "reports": reports, "failure": failure,
             "interim_ops": list(INTERIM_OPS), "baseline_choice": BASELINE_CHOICE if args.baseline else None,
             "baseline_kernels_ran": _baseline_kernels() if args.baseline else None,
         }
@@ -229,6 +247,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    variants = _kernel_variants(args)
     from .model.config import default_preset_name
     from .rl.loop import RLRun
     from .rl.report import diff_report
@@ -249,7 +268,7 @@ def cmd_bench(args) -> int:
             "consistent_tok_per_s": tot and tot["consistent"], "baseline_tok_per_s": tot and tot["baseline"],
             "ratio": ratio, "statistic": "median over timed steps (tok/s per mode; ratio = median of per-step ratios)",
             "pooled_tok_per_s": pooled, "baseline_choice": BASELINE_CHOICE, "baseline_kernels_ran": _baseline_kernels(),
-            "interim_ops": list(INTERIM_OPS), "torch": torch.__version__,
+            "interim_ops": list(INTERIM_OPS), "torch": torch.__version__, "kernel_variants": variants,
             "rollout_value_checks": "off in both modes (kv_cache / indexer host-side input checks sync the host)",
             "elapsed_s": round(time.perf_counter() - t0, 2),
         }
