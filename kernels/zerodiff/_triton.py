@@ -46,6 +46,25 @@ def require_triton() -> None:
         )
 
 
+def pick_backend(op: str, backend, device, *, interpreter_default: bool = False) -> str:
+    """The backend an op runs: ``backend`` None -> "triton" on a CUDA device where Triton runs, else "reference"
+    (with ``interpreter_default``, also "triton" for CPU tensors under ``TRITON_INTERPRET=1``). An explicit
+    "triton" that cannot run here raises RuntimeError; an unknown name raises ValueError. ``op`` names the op in
+    the messages (e.g. "zerodiff.kv_cache")."""
+    if backend is None:
+        cuda = str(device).startswith("cuda")
+        return "triton" if triton_usable_for(device) and (cuda or interpreter_default) else "reference"
+    if backend not in ("triton", "reference"):
+        raise ValueError(f"{op}: unknown backend {backend!r} (use None, 'triton' or 'reference')")
+    if backend == "triton":
+        require_triton()
+        if not triton_usable_for(device):
+            raise RuntimeError(f"{op}: backend='triton' cannot run on {device} here (TRITON_INTERPRET="
+                               f"{'1' if INTERPRET else '0'}: CUDA tensors need it unset, CPU tensors need it set); "
+                               "use backend='reference'")
+    return backend
+
+
 def triton_usable_for(device) -> bool:
     """True when a Triton kernel can run on tensors living on ``device``."""
     if not HAVE_TRITON:

@@ -142,15 +142,7 @@ def _check(x, w, name="bf16_gemm"):
 
 
 def _pick(backend, t, name):
-    if backend is None:
-        return "triton" if (t.is_cuda and _triton.triton_usable_for(t.device)) else "reference"
-    if backend not in ("triton", "reference"):
-        raise ValueError(f"zerodiff.{name}: unknown backend={backend!r} (None, 'triton' or 'reference')")
-    if backend == "triton":
-        _triton.require_triton()
-        if not _triton.triton_usable_for(t.device):
-            raise RuntimeError(f"zerodiff.{name}: backend='triton' cannot run on {t.device} here")
-    return backend
+    return _triton.pick_backend(f"zerodiff.{name}", backend, t.device)
 
 
 def bf16_gemm(x: torch.Tensor, w: torch.Tensor, *, out_dtype=torch.bfloat16, backend=None) -> torch.Tensor:

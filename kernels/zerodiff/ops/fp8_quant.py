@@ -103,16 +103,7 @@ if HAVE_TRITON:
 
 
 def _pick(backend, t: torch.Tensor) -> str:
-    if backend is None:
-        return "triton" if (t.is_cuda and _triton.triton_usable_for(t.device)) else "reference"
-    if backend not in ("triton", "reference"):
-        raise ValueError(f"zerodiff.fp8_quant: unknown backend={backend!r} (use None, 'triton' or 'reference')")
-    if backend == "triton":
-        _triton.require_triton()
-        if not _triton.triton_usable_for(t.device):
-            raise RuntimeError(f"zerodiff.fp8_quant: backend='triton' cannot run on device {t.device} here "
-                               "(CUDA tensors need a GPU; CPU tensors need TRITON_INTERPRET=1)")
-    return backend
+    return _triton.pick_backend("zerodiff.fp8_quant", backend, t.device)
 
 
 def _check_float(name, t, ndim):

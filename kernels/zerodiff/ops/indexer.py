@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 
 from .. import _triton
-from .._triton import HAVE_TRITON, LAUNCH_OPTS, require_triton, triton_usable_for
+from .._triton import HAVE_TRITON, LAUNCH_OPTS, pick_backend
 from ..reference import indexer as _ref
 from ..reference.fp8_quant import quant_per_token_group_ref
 
@@ -121,16 +121,7 @@ if HAVE_TRITON:
 
 
 def _pick(backend, device) -> str:
-    if backend is None:
-        return "triton" if triton_usable_for(device) else "reference"
-    if backend == "triton":
-        require_triton()
-        if not triton_usable_for(device):
-            raise ValueError(f"zerodiff.indexer: backend='triton' cannot run on {device} here")
-        return "triton"
-    if backend == "reference":
-        return "reference"
-    raise ValueError(f"zerodiff.indexer: unknown backend {backend!r} (use None, 'triton' or 'reference')")
+    return pick_backend("zerodiff.indexer", backend, device, interpreter_default=True)
 
 
 def _check_d(d: int) -> None:

@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 
 from .. import _triton
-from .._triton import HAVE_TRITON, LAUNCH_OPTS, require_triton, triton_usable_for
+from .._triton import HAVE_TRITON, LAUNCH_OPTS, pick_backend
 from ..reference import kv_cache as _ref
 
 GROUP = 128
@@ -148,19 +148,7 @@ def _check_cache(cache: torch.Tensor, d_nope: int, d_rope: int) -> None:
 
 
 def _pick(backend, device) -> str:
-    if backend is None:
-        return "triton" if triton_usable_for(device) else "reference"
-    if backend == "triton":
-        require_triton()
-        if not triton_usable_for(device):
-            raise ValueError(
-                f"zerodiff.kv_cache: backend='triton' cannot run on {device} here "
-                "(CPU tensors need TRITON_INTERPRET=1; CUDA tensors need it unset)"
-            )
-        return "triton"
-    if backend == "reference":
-        return "reference"
-    raise ValueError(f"zerodiff.kv_cache: unknown backend {backend!r} (use None, 'triton' or 'reference')")
+    return pick_backend("zerodiff.kv_cache", backend, device, interpreter_default=True)
 
 
 def new_kv_cache(num_blocks: int, block_size: int = 64, *, d_nope: int = 512, d_rope: int = 64, device=None):

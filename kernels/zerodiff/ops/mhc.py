@@ -515,16 +515,7 @@ def _check_post(layer_out, residual, post, comb):
 
 
 def _pick_backend(backend, device) -> str:
-    if backend is None:
-        return "triton" if str(device).startswith("cuda") else "reference"
-    if backend not in ("triton", "reference"):
-        raise _err(f"unknown backend {backend!r}; use None, 'triton' or 'reference'")
-    if backend == "triton":
-        zt.require_triton()
-        if not zt.triton_usable_for(device):
-            raise _err(f"backend='triton' cannot run on {device} here (TRITON_INTERPRET="
-                       f"{'1' if zt.INTERPRET else '0'}); use backend='reference' or a CUDA tensor")
-    return backend
+    return zt.pick_backend("zerodiff.mhc", backend, device)
 
 
 # ------------------------------------------------------------------------------------ the stages

@@ -150,17 +150,7 @@ def _check_limit(clamp_limit, name: str) -> None:
 
 
 def _backend(x: torch.Tensor, backend: str | None, name: str) -> str:
-    if backend is None:
-        return "triton" if (x.is_cuda and zt.triton_usable_for(x.device)) else "reference"
-    if backend not in ("triton", "reference"):
-        raise ValueError(f"{name}: unknown backend {backend!r} (use None, 'triton' or 'reference')")
-    if backend == "triton":
-        zt.require_triton()
-        if not zt.triton_usable_for(x.device):
-            raise RuntimeError(
-                f"{name}: backend='triton' cannot run on {x.device} here "
-                f"(TRITON_INTERPRET={'1' if zt.INTERPRET else '0'}); use backend='reference' or CUDA tensors")
-    return backend
+    return zt.pick_backend(name, backend, x.device)
 
 
 def _launch(x, counts, out, scale, E, C, sx, so, ss, masked, quant, clamp_limit, ue8m0, group):
