@@ -71,7 +71,7 @@ def post_torch(lo, res, post, comb):
 
 
 #: variants timed by --quick --sweep (the full sweep times every entry of mhc.VARIANTS)
-QUICK_SWEEP = ("tf32_s32", "tf32_s112", "bf16x3_s32", "bf16x3_s112", "bf16x3_s112_e1")
+QUICK_SWEEP = ("ieee_s32", "ieee_s112", "tf32_s32", "tf32_s112", "bf16x3_s32", "bf16x3_s112", "bf16x3_s112_e1")
 #: hc_head variants timed by the sweep (its projection has 4 outputs; same kernels); --quick: the first two
 HEAD_SWEEP = ("tf32_s112", "bf16x3_s112", "bf16x3_s32", "ieee_s112", "bf16x3_s112_e1")
 
@@ -207,16 +207,20 @@ def main():
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true", help="also time every opt-in split-K variant")
     p.add_argument("--aot", action="store_true", help="AOT-compile the variant kernels (no GPU): registers/spills")
+    p.add_argument("--hidden", type=int, action="append", default=None, metavar="H",
+                   help="hidden size(s) to time instead of the DeepSeek-V4 ones (repeatable; e.g. 2048 for the "
+                        "end-to-end h200 preset)")
     args = p.parse_args()
     if args.aot:
         aot_report()
         return
     if args.quick:
         # few distinct stock split counts (112, 4, 1): each may cost a DeepGEMM JIT compile on a cold cache
-        shapes = [(7168, T) for T in (1, 64, 2048, 8192)]
+        shapes = [(H, T) for H in (args.hidden or [7168]) for T in (1, 64, 2048, 8192)]
         reps = dict(warmup=5, rep=20)
     else:
-        shapes = [(H, T) for H in (4096, 7168) for T in (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)]
+        shapes = [(H, T) for H in (args.hidden or [4096, 7168])
+                  for T in (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)]
         reps = dict(warmup=10, rep=50)
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The performance-decision call (issues 3 and 5): time the prepared kernel variants against the stock kernels,
+# in micro-benchmarks and end to end, and re-run the GPU tests that guard them. One command on a lent machine:
+#
+#   build/perf-session.sh [--total SECONDS] [--skip-tests] [--variants "ieee_s112 bf16x3_s32 ..."]
+#
+# Stages (each with its own timeout; results are written as they come, so a cut-off call keeps what finished):
+#   0. zerodiff warmup --config h200 --config gpu_small        (background: DeepGEMM's M-dependent kernels)
+#   1. GPU tests: test_mhc, test_topk, test_integrations, test_e2e_gpu, test_logprobs, test_moe, test_rmsnorm,
+#      test_silu_mul_quant, test_router_gemm, test_triton_casts   (one pytest process per file)
+#   2. micro-benchmark sweeps: bench_mhc --quick --sweep at H 2048 (the end-to-end model) and 7168,
+#      bench_topk --quick --sweep, bench_sparse_attention --quick --sweep
+#   3. end to end: zerodiff bench --config h200 --steps 3 with the shipped kernels, with each mHC variant in
+#      --variants (default: ieee_s112 bf16x3_s32 bf16x3_s112_e1 tf32_s112_e1), and with ZD_TOPK_VARIANT=split
+# Two GPUs: 0 then 1 on GPU 0; 2 then 3 on GPU 1 (timings never share a GPU with the tests or the warm-up).
+# One GPU: 0, 2, 3, then 1.
+# Outputs under $OUT (at most 8 files come back from a lent machine):
+#   summary.txt  sweeps.tar.gz  e2e.tar.gz  tests.tar.gz
+# Read them with: python benchmarks/report.py (sweeps), the JSON "ratio" fields (e2e), tests/files.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+OUT=${OUT:-$ROOT/results/perf-$(date -u +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT"
+TOTAL=560; SKIP_TESTS=0; VARIANTS="ieee_s112 bf16x3_s32 bf16x3_s112_e1 tf32_s112_e1"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --total) TOTAL="$2"; shift ;;
+    --skip-tests) SKIP_TESTS=1 ;;
+    --variants) VARIANTS="$2"; shift ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+PY=${PYTHON:-python3}
+export PYTHONPATH="$ROOT/kernels${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+if [ ! -f build/wheel-kernels/vllm/__init__.py ] && [ -f .carry/wheel-kernels.tar.gz ]; then
+  mkdir -p build && tar xzf .carry/wheel-kernels.tar.gz -C build
+fi
+START=$(date +%s)
+elapsed() { echo $(( $(date +%s) - START )); }
+left() { echo $(( TOTAL - $(elapsed) - ${1:-0} )); }
+SUM="$OUT/summary.txt"; : >"$SUM"
+note() { echo "$*" | tee -a "$SUM"; }
+S="$OUT/sweeps"; E="$OUT/e2e"; T="$OUT/tests"
+mkdir -p "$S" "$E" "$T"
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+note "zerodiff perf session: $(date -u +%Y-%m-%dT%H:%M:%SZ), $NGPU GPU(s), total ${TOTAL}s, mHC variants: $VARIANTS"
+
+timed() {  # timed SECONDS NAME CMD...: run with a timeout, log to NAME.log, one summary line
+  local t=$1 name=$2; shift 2
+  [ "$t" -lt 20 ] && { note "   $name: skipped (${t}s left)"; return 0; }
+  local s=$(date +%s)
+  timeout -k 10 "$t" "$@" >"$name.log" 2>&1
+  note "   $(basename "$name"): rc=$? in $(( $(date +%s) - s ))s (t=$(elapsed)s)"
+}
+
+sweeps() {
+  note "== sweeps (t=$(elapsed)s)"
+  timed $(( $(left 200) < 150 ? $(left 200) : 150 )) "$S/mhc" $PY benchmarks/bench_mhc.py --quick --sweep \
+    --hidden 2048 --hidden 7168 --json "$S/mhc.json"
+  timed $(( $(left 180) < 100 ? $(left 180) : 100 )) "$S/topk" $PY benchmarks/bench_topk.py --quick --sweep \
+    --json "$S/topk.json"
+  timed $(( $(left 160) < 100 ? $(left 160) : 100 )) "$S/sparse_attention" $PY benchmarks/bench_sparse_attention.py \
+    --quick --sweep --json "$S/sparse_attention.json"
+}
+
+e2e() {
+  note "== end to end, zerodiff bench --config h200 --steps 3 (t=$(elapsed)s)"
+  wait_warmup
+  timed $(( $(left 5) < 60 ? $(left 5) : 60 )) "$E/shipped" $PY -m zerodiff.e2e_cli bench --config h200 --steps 3 \
+    --warmup 1 --json "$E/shipped.json"
+  for v in $VARIANTS; do
+    timed $(( $(left 5) < 60 ? $(left 5) : 60 )) "$E/mhc-$v" $PY -m zerodiff.e2e_cli bench --config h200 --steps 3 \
+      --warmup 1 --mhc-variant "$v" --json "$E/mhc-$v.json"
+  done
+  timed $(( $(left 5) < 60 ? $(left 5) : 60 )) "$E/topk-split" env ZD_TOPK_VARIANT=split $PY -m zerodiff.e2e_cli \
+    bench --config h200 --steps 3 --warmup 1 --json "$E/topk-split.json"
+  for f in "$E"/*.json; do
+    [ -f "$f" ] && note "   $(basename "$f" .json): $($PY -c "import json,sys; d=json.load(open(sys.argv[1])); print('ratio', round(d['ratio'], 3) if d.get('ratio') else None, 'consistent tok/s', d.get('consistent_tok_per_s'))" "$f" 2>&1)"
+  done
+}
+
+tests() {
+  [ "$SKIP_TESTS" = 1 ] && { note "== tests skipped"; return 0; }
+  note "== GPU tests (t=$(elapsed)s)"
+  ZD_TEST_FILES="tests/test_mhc.py tests/test_topk.py tests/test_integrations.py tests/test_e2e_gpu.py tests/test_logprobs.py tests/test_moe.py tests/test_rmsnorm.py tests/test_silu_mul_quant.py tests/test_router_gemm.py tests/test_triton_casts.py" \
+    ZD_SKIP_UNPACK=1 PYTEST_ADDOPTS="--timeout=150" OUT="$T" timeout -k 10 $(left 10) build/gpu-suite.sh --tests-only \
+    >"$T/suite.out" 2>&1
+  cat "$T/files.txt" 2>/dev/null | tee -a "$SUM"
+  grep -E "^(FAILED|ERROR)" "$T/pytest.log" 2>/dev/null | cut -c1-250 | tail -n 20 | tee -a "$SUM"
+}
+
+# the warm-up's GEMMs must not overlap a timing: on two GPUs it runs on GPU 0 (the tests' GPU) while GPU 1 sweeps;
+# DeepGEMM's cache is per machine, so GPU 1's end-to-end benches find its kernels compiled
+if [ "$NGPU" -ge 2 ]; then
+  CUDA_VISIBLE_DEVICES=0 $PY -m zerodiff.e2e_cli warmup --config h200 --config gpu_small >"$OUT/warmup.log" 2>&1 &
+else
+  $PY -m zerodiff.e2e_cli warmup --config h200 --config gpu_small >"$OUT/warmup.log" 2>&1 &
+fi
+WPID=$!
+wait_warmup() { while kill -0 $WPID 2>/dev/null; do sleep 2; done; }
+
+if [ "$NGPU" -ge 2 ]; then
+  ( export CUDA_VISIBLE_DEVICES=0; wait_warmup; tests ) &
+  ( export CUDA_VISIBLE_DEVICES=1; sweeps; e2e ) &
+  wait
+else
+  wait_warmup; sweeps; e2e; tests
+fi
+note "warmup: $(tail -n 1 "$OUT/warmup.log")"
+note "done in $(elapsed)s"
+tar czf "$OUT/sweeps.tar.gz" -C "$OUT" sweeps && tar czf "$OUT/e2e.tar.gz" -C "$OUT" e2e && \
+  tar czf "$OUT/tests.tar.gz" -C "$OUT" tests warmup.log && rm -rf "$S" "$E" "$T" "$OUT/warmup.log"
+ls -la "$OUT"
