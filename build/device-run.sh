@@ -18,9 +18,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 # unpack the carried wheel kernels once, before the two halves start (they would race otherwise)
-if [ ! -f build/wheel-kernels/vllm/__init__.py ] && [ -f .carry/wheel-kernels.tar.gz ]; then
-  mkdir -p build && tar xzf .carry/wheel-kernels.tar.gz -C build
-fi
+source build/gpu-env.sh
 export ZD_SKIP_UNPACK=1
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 echo "gpus: $ngpu, budget ${BUDGET}s"

@@ -40,13 +40,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-PY=${PYTHON:-python3}
-export PYTHONPATH="$ROOT/kernels${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-if [ ! -f build/wheel-kernels/vllm/__init__.py ] && [ -f .carry/wheel-kernels.tar.gz ]; then
-  mkdir -p build && tar xzf .carry/wheel-kernels.tar.gz -C build
-fi
+source build/gpu-env.sh
 W="$OUT/logs"
 mkdir -p "$W"
 START=$(date +%s)

@@ -14,7 +14,6 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${OUT:-$ROOT/results/gpu-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
-PY=${PYTHON:-python3}
 RUN_TESTS=1; RUN_BENCH=1; QUICK=""; KEXPR=""; BENCHES=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -28,15 +27,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 
-export PYTHONPATH="$ROOT/kernels${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-unpack_wheel_kernels() {  # .carry/wheel-kernels.tar.gz holds wheel-kernels/vllm/... (make kernels-from-wheel)
-  if [ ! -f build/wheel-kernels/vllm/__init__.py ] && [ -f .carry/wheel-kernels.tar.gz ]; then
-    mkdir -p build && tar xzf .carry/wheel-kernels.tar.gz -C build
-  fi
-}
-[ -n "${ZD_SKIP_UNPACK:-}" ] || unpack_wheel_kernels
+source build/gpu-env.sh
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"

@@ -33,11 +33,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-PY=${PYTHON:-python3}
-export PYTHONPATH="$ROOT/kernels${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-if [ ! -f build/wheel-kernels/vllm/__init__.py ] && [ -f .carry/wheel-kernels.tar.gz ]; then
-  mkdir -p build && tar xzf .carry/wheel-kernels.tar.gz -C build
-fi
+source build/gpu-env.sh
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
 left() { echo $(( TOTAL - $(elapsed) - ${1:-0} )); }
