@@ -45,6 +45,8 @@ summary: venv ## what is patched: patch names per side and the files they touch
 
 e2e-check: venv ## the end-to-end consistency check: `zerodiff check` on the default config for this hardware
 	@echo "=== zerodiff check ==="
+	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		$(ZD) warmup --config h200 || echo "zerodiff warmup incomplete (see above): the check compiles what is missing"; fi
 	@$(ZD) check
 
 kernels-from-wheel: venv ## FlashMLA + DeepGEMM out of vLLM's pinned wheel into build/wheel-kernels (+ .carry tarball)
