@@ -260,14 +260,14 @@ def cmd_bench(args) -> int:
     stopped_by_budget = False
     from .model.ops import BASELINE_CHOICE, INTERIM_OPS
 
-    def doc_now(tot=None, ratio=None, pooled=None):
+    def doc_now(tot=None, ratio=None, pooled=None, dev_ratio=None):
         return {
             "command": "bench", "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "device": _device_name(device), "config": cfg_name, "seed": args.seed, "rows": rows,
             "steps": args.steps, "steps_run": len(rows), "stopped_by_time_budget": stopped_by_budget,
             "consistent_tok_per_s": tot and tot["consistent"], "baseline_tok_per_s": tot and tot["baseline"],
             "ratio": ratio, "statistic": "median over timed steps (tok/s per mode; ratio = median of per-step ratios)",
-            "pooled_tok_per_s": pooled, "baseline_choice": BASELINE_CHOICE, "baseline_kernels_ran": _baseline_kernels(),
+            "pooled_tok_per_s": pooled, "forward_device_ratio": dev_ratio, "baseline_choice": BASELINE_CHOICE, "baseline_kernels_ran": _baseline_kernels(),
             "interim_ops": list(INTERIM_OPS), "torch": torch.__version__, "kernel_variants": variants,
             "rollout_value_checks": "off in both modes (kv_cache / indexer host-side input checks sync the host)",
             "elapsed_s": round(time.perf_counter() - t0, 2),
@@ -279,6 +279,7 @@ def cmd_bench(args) -> int:
                    f"({time.perf_counter() - t0:.1f} s)")
         for run in runs.values():  # no host-synchronising input-value checks in the timed rollouts (both modes)
             run.engine.cache.check = False
+            run.engine.time_device = cuda  # CUDA events around each engine forward: the GPU-side share
         for m, run in runs.items():  # capture every decode graph before anything is timed
             if run.engine.graphs is not None and not run.engine.emulate_graphs:
                 got = run.engine.graphs.capture_all()
@@ -310,6 +311,8 @@ def cmd_bench(args) -> int:
                 row[f"{m}_s"] = dt
                 row["tokens"] = ntok
                 row[f"{m}_engine_steps"] = run.engine.stats["steps"]
+                if "forward_device_s" in run.engine.stats:
+                    row[f"{m}_forward_device_s"] = run.engine.stats["forward_device_s"]
                 if s >= 0:
                     seqs = [(k, o.prompt, o.response) for k, o in sorted(out.items())]
                     lp_t = run.trainer.run(seqs, pack_seed=s + 17, grad=False)
@@ -318,6 +321,9 @@ def cmd_bench(args) -> int:
                     row[f"{m}_tokens_differ"] = rep["tokens_differ"]
             if s >= 0:
                 row["ratio"] = row["consistent_tok_per_s"] / row["baseline_tok_per_s"]
+                if "consistent_forward_device_s" in row and "baseline_forward_device_s" in row:
+                    # forward GPU time baseline / consistent: the ratio without the host-side engine work
+                    row["forward_device_ratio"] = row["baseline_forward_device_s"] / row["consistent_forward_device_s"]
                 rows.append(row)
                 _log(args, f"step {s}: consistent {row['consistent_tok_per_s']:.1f} tok/s, baseline "
                            f"{row['baseline_tok_per_s']:.1f} tok/s, ratio {row['ratio']:.3f}; diff max consistent "
@@ -334,14 +340,19 @@ def cmd_bench(args) -> int:
     tot = {m: statistics.median(r[f"{m}_tok_per_s"] for r in rows) for m in ("consistent", "baseline")}
     ratio = statistics.median(r["ratio"] for r in rows)
     pooled = {m: sum(r["tokens"] for r in rows) / sum(r[f"{m}_s"] for r in rows) for m in ("consistent", "baseline")}
+    dev_ratio = (statistics.median(r["forward_device_ratio"] for r in rows)
+                 if all("forward_device_ratio" in r for r in rows) else None)
 
     print(f"rollout output tokens/s (median of {len(rows)} steps): consistent {tot['consistent']:.1f}, baseline "
           f"{tot['baseline']:.1f}, ratio {ratio:.3f} (median of the per-step ratios; pooled "
           f"{pooled['consistent'] / pooled['baseline']:.3f}) "
           f"({'CPU reference backends: not a performance number' if not cuda else _device_name(device)})")
+    if dev_ratio is not None:
+        print(f"model forward GPU time baseline / consistent (median per step; the engine's host work excluded): "
+              f"{dev_ratio:.3f}")
     for k, v in _baseline_kernels().items():
         print(f"baseline kernel: {k}: {v}")
-    _write_json(args.json_path, doc_now(tot, ratio, pooled))
+    _write_json(args.json_path, doc_now(tot, ratio, pooled, dev_ratio))
     if args.png:
         try:
             import matplotlib

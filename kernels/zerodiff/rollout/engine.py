@@ -74,6 +74,11 @@ class RolloutEngine:
 
             self.graphs = DecodeGraphs(self)
         self.stats = {"steps": 0, "mixed_steps": 0, "decode_steps": 0, "graph_steps": 0, "batch_sizes": []}
+        #: when True (CUDA only), every engine step's model forward is bracketed by CUDA events and
+        #: ``generate`` adds ``stats["forward_device_s"]``: the GPU time from the forward's first kernel to its
+        #: last (graph replays: the graph's device time; eager steps: includes gaps while the host enqueues).
+        #: Sampling and host bookkeeping are outside the brackets. Off by default (events cost a little).
+        self.time_device = False
 
     def _ensure_blocks(self, r: Request, upto: int) -> None:
         bs = self.rcfg.block_size
@@ -90,6 +95,7 @@ class RolloutEngine:
         done = {}
         lo_b, hi_b = self.rcfg.token_budget
         lo_m, hi_m = self.rcfg.max_batch
+        events = [] if (self.time_device and self.device.type == "cuda") else None
         for _ in range(max_steps):
             if not queue and not running:
                 break
@@ -123,11 +129,16 @@ class RolloutEngine:
             if record is not None:
                 rec = lambda name, t, _k=step.keys: record(name, _k, t)  # noqa: E731
             with torch.no_grad():
+                if events is not None:
+                    events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+                    events[-1][0].record()
                 if pure_decode and self.graphs is not None and rec is None and self.graphs.supports(step):
                     logits = self.graphs.run(step, eager=self.emulate_graphs)
                     self.stats["graph_steps"] += int(self.graphs.disabled is None)
                 else:
                     logits = forward_step(self.dep, step, self.cache, self.ops, record=rec)
+                if events is not None:
+                    events[-1][1].record()
                 # sample + log-probs for the rows that produced logits (in logits_rows order)
                 rows = step.logits_rows.tolist()
                 owners = [step.keys[i] for i in rows]
@@ -151,4 +162,7 @@ class RolloutEngine:
                                                     torch.stack(r.out_lp).float())
         else:
             raise RuntimeError("zerodiff: rollout did not finish within max_steps")
+        if events:
+            torch.cuda.synchronize(self.device)
+            self.stats["forward_device_s"] = sum(a.elapsed_time(b) for a, b in events) / 1e3
         return done
