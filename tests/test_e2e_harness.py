@@ -300,3 +300,27 @@ def test_cuda_dispatch_branch_runs_on_cpu_through_team_references(monkeypatch):
         res[g] = eng.generate(_clone(reqs), 3)
     for r in reqs:
         assert torch.equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs)
+
+
+def test_checkpointed_attention_graph_gives_the_same_gradients(monkeypatch):
+    """The training graph's dense attention in checkpointed query blocks (what 4,096-token micro-batches use)
+    gives the gradients of the one-block form: same float64-referenced errors to 1e-6, and the visible bits
+    (the log-probs) untouched."""
+    from zerodiff.model import ops as model_ops
+    from zerodiff.training.gradcheck import gradient_check
+
+    run = RLRun(CPU, seed=0)
+    _, out = run.rollout(0)
+    seqs = [(k, o.prompt, o.response) for k, o in sorted(out.items())[:3]]
+    coef = {k: 1.0 - 0.5 * i for i, (k, _, _) in enumerate(seqs)}
+    assert max(len(p) + len(r) for _, p, r in seqs) > 16  # the blocks below really split the rows
+    whole = gradient_check(run.trainer, seqs, coef)
+    lp_whole = run.trainer.run(seqs, pack_seed=5, grad=False)
+    monkeypatch.setattr(model_ops, "GRAPH_ATTN_ROWS", 16)
+    blocks = gradient_check(run.trainer, seqs, coef)
+    lp_blocks = run.trainer.run(seqs, pack_seed=5, grad=False)
+    assert set(whole) == set(blocks)
+    for k in whole:
+        assert abs(whole[k] - blocks[k]) < 1e-6, (k, whole[k], blocks[k])
+    for k in lp_whole:
+        assert torch.equal(lp_whole[k], lp_blocks[k])
