@@ -24,7 +24,7 @@ Backends (``backend=``):
 * ``"triton"``: the kernel above (SM90 and SM100).
 * ``"deepgemm"``: DeepGEMM ``fp8_gemm_nt``, allowed only after :func:`deepgemm_verdict` verified for this
   (N, K, device) that every probed row is bitwise identical alone and inside batches of
-  M = 1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 1000, 4096 at several positions (cached per
+  M = 1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 1000, 2048, 4096, 8192 at several positions (cached per
   (N, K, device, ue8m0)); otherwise it raises (fail closed, never a silent fallback). On SM100 DeepGEMM casts
   scales to UE8M0, so it is refused unless the weight was quantised with ``ue8m0=True`` (then the cast is
   exact). DeepGEMM's value is *not* the Triton kernel's value: both sides of an RL job must use the same
@@ -61,7 +61,7 @@ from .fp8_quant import FP8_DTYPE, Fp8Weight, quant_act
 
 BLOCK_M = 64
 BLOCK_K = 128
-PROBE_MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 1000, 4096)
+PROBE_MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 1000, 2048, 4096, 8192)
 
 if HAVE_TRITON:
     import triton
