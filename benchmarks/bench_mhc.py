@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from common import median_ms, parser, row, write  # noqa: E402
+from common import cubin_usage, median_ms, parser, row, write  # noqa: E402
 
 from zerodiff.ops import mhc  # noqa: E402
 from zerodiff.reference import mhc as ref  # noqa: E402
@@ -123,22 +123,12 @@ def sweep_rows(res, fn, scale, base, hfn, hscale, hbase, shape, t_stock, stock_n
 
 def aot_report():
     """Compile every variant's kernels ahead of time for SM90 / SM100 (no GPU): registers, spills, MMA."""
-    import subprocess
-    import tempfile
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
     def usage(k):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        regs = [x.strip() for x in out.splitlines() if "REG:" in x]
-        return " ".join(regs[0].split()[:2]) if regs else "?"
+        return " ".join(cubin_usage(k).split()[:2]) or "?"
 
     def mma(ptx):
         for ins in ("wgmma", "tcgen05", "mma.sync"):

@@ -42,7 +42,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms, parser, row, write  # noqa: E402
+from common import cubin_usage, median_ms, parser, row, write  # noqa: E402
 
 from zerodiff import backends  # noqa: E402
 from zerodiff.ops import kv_cache as kc  # noqa: E402
@@ -361,9 +361,6 @@ def bench_prefill(ctx, T, k, reps, rows):
 
 def aot_report(configs):
     """Compile the split kernels ahead of time for SM90 / SM100 (no GPU) and read register and spill use."""
-    import subprocess
-    import tempfile
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -375,14 +372,8 @@ def aot_report(configs):
     merge_sig = {"pm_ptr": "*fp32", "pl_ptr": "*fp32", "pacc_ptr": "*fp32", "sink_ptr": "*fp32",
                  "out_ptr": "*bf16", "o_s0": "i64", "o_s1": "i64", "lse_ptr": "*fp32", "lse_s0": "i64",
                  "H": "i32", "NCH": "i32"}
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
     def usage(k):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        return " ".join(x.strip() for x in out.splitlines() if "REG:" in x)[:60]
+        return cubin_usage(k)[:60]
 
     for cfg in configs:
         pf = bool(cfg.get("PREFETCH", False))

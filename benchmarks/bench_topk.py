@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median_ms, parser, row, write  # noqa: E402
+from common import cubin_usage, median_ms, parser, row, write  # noqa: E402
 
 import zerodiff.ops.topk as topk_mod  # noqa: E402
 from zerodiff.ops.topk import _config, _topk_triton, deterministic_topk, topk_routing  # noqa: E402
@@ -102,25 +102,12 @@ def sweep(k: int, rep: int) -> list[dict]:
 
 def aot_report() -> None:
     """Compile both designs for sm_90a / sm_100a without a GPU; print registers, spills, shared memory."""
-    import os
-    import subprocess
-    import tempfile
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
     def usage(kern):
-        try:
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-                fh.write(kern.asm["cubin"])
-                fh.flush()
-                txt = subprocess.run([tool, "-res-usage", fh.name], capture_output=True, text=True).stdout
-            return " ".join(x.strip() for x in txt.splitlines() if "REG:" in x)[:70]
-        except Exception as e:  # pragma: no cover
-            return f"(no cuobjdump: {e})"
+        return cubin_usage(kern)[:70]
 
     def comp(fn, sig, cx, warps, cc):
         sig = dict(sig, **{key: "constexpr" for key in cx})

@@ -128,3 +128,22 @@ def write(path: str | None, bench: str, rows: list[dict]) -> None:
             json.dump(doc, f, indent=1)
     else:
         json.dump(doc, sys.stdout, indent=1)
+
+
+def cubin_usage(kernel) -> str:
+    """Registers / stack / shared memory of an ahead-of-time compiled Triton kernel, as the cuobjdump shipped with
+    Triton reports them (``-res-usage``): the "REG:.. STACK:.. SHARED:.." line(s), or why it could not run."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    try:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+            fh.write(kernel.asm["cubin"])
+            fh.flush()
+            out = subprocess.run([tool, "-res-usage", fh.name], capture_output=True, text=True).stdout
+    except Exception as e:  # noqa: BLE001 - a report line, never a failure
+        return f"(no cuobjdump: {e})"
+    return " ".join(x.strip() for x in out.splitlines() if "REG:" in x)
