@@ -1,0 +1,126 @@
+"""The GPU-machine scripts' orchestration, on the CPU with stand-ins for nvidia-smi and the GPU programs.
+
+A broken stage order, a missing output file or a timeout sum that overruns costs a lent machine's device time;
+these tests run ``build/e2e-device.sh`` and ``build/perf-session.sh`` end to end with a fake ``nvidia-smi`` (one
+or two GPUs) and a fake interpreter that records every call it gets (with its CUDA_VISIBLE_DEVICES) and writes
+the JSON each stage is asked for, then check what ran, where, in which order, and what came back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+FAKE_PY = r'''#!/bin/bash
+echo "$CUDA_VISIBLE_DEVICES|$*" >> "$FAKE_LOG"
+json_out() { local prev=""; for a in "$@"; do [ "$prev" = "--json" ] && echo "$1" > "$a"; prev="$a"; done; }
+case "$*" in
+  -|-c*) exec REALPY "$@" ;;
+  *"zerodiff.e2e_cli warmup"*) sleep 1; echo "$CUDA_VISIBLE_DEVICES|WARMUP-DONE" >> "$FAKE_LOG"
+                               echo "zerodiff warmup: done in 1 s, 0 calls, 0 problem(s)" ;;
+  *"zerodiff.e2e_cli check"*) json_out '{"passed": true}' "$@"; echo "PASS: diff = 0 on 1/1 steps run" ;;
+  *"zerodiff.e2e_cli bench"*) json_out '{"ratio": 0.9, "consistent_tok_per_s": 1.0}' "$@"; echo "step 0" ;;
+  *"-m pytest"*) echo "1 passed in 0.01s" ;;
+  *benchmarks/bench_*) json_out '{}' "$@" ;;
+  *) exec REALPY "$@" ;;
+esac
+'''
+
+
+def _fakes(tmp_path: Path, ngpu: int) -> dict:
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    smi = bin_ / "nvidia-smi"
+    lines = "".join(f'echo "GPU {i}: NVIDIA H200 (fake)"; ' for i in range(ngpu))
+    smi.write_text(f'#!/bin/bash\nif [ "$1" = "-L" ]; then {lines}else echo "NVIDIA H200, 0, 143771 MiB"; fi\n')
+    py = bin_ / "py"
+    py.write_text(FAKE_PY.replace("REALPY", sys.executable))
+    for f in (smi, py):
+        f.chmod(0o755)
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", PYTHON=str(py), FAKE_LOG=str(log),
+               OUT=str(tmp_path / "out"), ZD_SKIP_UNPACK="1", DG_JIT_CACHE_DIR=str(tmp_path / "dg"))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def _calls(tmp_path: Path) -> list[tuple[str, str]]:
+    out = []
+    for line in (tmp_path / "calls.log").read_text().splitlines():
+        dev, _, args = line.partition("|")
+        out.append((dev, args))
+    return out
+
+
+def _first(calls, needle):
+    return next(i for i, (_, a) in enumerate(calls) if needle in a)
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_e2e_device_runs_every_stage_on_the_right_gpu(tmp_path, ngpu):
+    env = _fakes(tmp_path, ngpu)
+    r = subprocess.run(["bash", str(REPO / "build/e2e-device.sh"), "--total", "300", "--tests", "tests/test_mhc.py"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = tmp_path / "out"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["base_h200.json", "bench_h200.json", "check_h200.json", "logs.tar.gz", "summary.txt"]
+    assert len(names) <= 8  # what a lent machine sends back
+    calls = _calls(tmp_path)
+    check = [c for c in calls if "e2e_cli check" in c[1] and "--baseline" not in c[1]]
+    base = [c for c in calls if "--baseline" in c[1]]
+    bench = [c for c in calls if "e2e_cli bench" in c[1]]
+    assert len(check) == len(base) == len(bench) == 1
+    assert "--steps 100" in check[0][1] and "--time-budget" in check[0][1]
+    assert any("warmup --config h200 --config gpu_small" in a for _, a in calls)
+    if ngpu == 2:  # the check on GPU 0; negative control and bench on GPU 1
+        assert check[0][0] == "0" and base[0][0] == bench[0][0] == "1"
+    else:  # baseline and bench only after the check (memory), the bench last
+        assert _first(calls, "--baseline") > _first(calls, "e2e_cli check --config h200 --steps 100")
+        assert _first(calls, "e2e_cli bench") > _first(calls, "--baseline")
+    with tarfile.open(out / "logs.tar.gz") as t:
+        assert "logs/tests/files.txt" in t.getnames()
+    assert "tests/test_mhc.py: exit 0" in (out / "summary.txt").read_text()
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_perf_session_times_every_variant_and_never_shares_a_timed_gpu(tmp_path, ngpu):
+    env = _fakes(tmp_path, ngpu)
+    r = subprocess.run(["bash", str(REPO / "build/perf-session.sh"), "--total", "400",
+                        "--variants", "ieee_s112 bf16x3_s32"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["e2e.tar.gz", "summary.txt", "sweeps.tar.gz", "tests.tar.gz"]
+    calls = _calls(tmp_path)
+    bench = [c for c in calls if "e2e_cli bench" in c[1]]
+    assert len(bench) == 4  # shipped, two mHC variants, Top-K split
+    assert sum("--mhc-variant ieee_s112" in a for _, a in bench) == 1
+    assert sum("--mhc-variant bf16x3_s32" in a for _, a in bench) == 1
+    sweeps = [c for c in calls if "benchmarks/bench_" in c[1]]
+    assert {a.split()[0] for _, a in sweeps} == {"benchmarks/bench_mhc.py", "benchmarks/bench_topk.py",
+                                                 "benchmarks/bench_sparse_attention.py"}
+    assert any("--hidden 2048" in a for _, a in sweeps)
+    with tarfile.open(out / "e2e.tar.gz") as t:
+        topk = json.load(t.extractfile("e2e/topk-split.json"))
+    assert topk["ratio"] == 0.9
+    warm = [c for c in calls if "e2e_cli warmup" in c[1]]
+    timed = sweeps + bench
+    if ngpu == 2:  # warm-up and tests on GPU 0 (tests after it), every timing on GPU 1
+        assert {d for d, _ in warm} == {"0"} and {d for d, _ in timed} == {"1"}
+        assert all(d == "0" for d, a in calls if "-m pytest" in a)
+        assert _first(calls, "WARMUP-DONE") < _first(calls, "-m pytest")
+    else:  # nothing is timed before the warm-up has finished, tests last
+        assert _first(calls, "WARMUP-DONE") < _first(calls, "benchmarks/bench_")
+        assert _first(calls, "-m pytest") > max(_first(calls, "e2e_cli bench"), _first(calls, "benchmarks/bench_"))
+    text = (out / "summary.txt").read_text()
+    assert "mhc-ieee_s112: ratio 0.9" in text and "topk-split: ratio 0.9" in text
