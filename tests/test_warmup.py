@@ -102,3 +102,18 @@ def test_pool_reports_every_task_and_never_hangs(monkeypatch, capsys):
     out = capsys.readouterr().out
     n = len(warmup.plan([preset("gpu_small")], 32, 2, baseline=False))
     assert f"{n}/{n} tasks" in out and f"{n} problem(s)" in out and "DeepGEMM is not importable" in out
+
+
+def test_doctor_reports_the_deepgemm_jit_cache(tmp_path, monkeypatch):
+    from zerodiff import doctor
+
+    for i in range(3):
+        (tmp_path / "cache" / f"kernel{i}").mkdir(parents=True)
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path))
+    info = doctor.collect()["deepgemm_jit_cache"]
+    assert info == {"path": str(tmp_path), "kernels": 3, "from_env": True}
+    monkeypatch.setenv("DG_JIT_CACHE_DIR", str(tmp_path / "missing"))
+    assert doctor.collect()["deepgemm_jit_cache"]["kernels"] == 0
+    r = doctor.collect()
+    r["backends"] = dict(r["backends"], deepgemm={"available": True, "detail": "test"})
+    assert "JIT cache" in doctor.render(r) and "zerodiff warmup" in doctor.render(r)

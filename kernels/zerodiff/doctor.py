@@ -75,6 +75,19 @@ def verdict(torch_info: dict, triton_info: dict) -> tuple[str, str]:
     return "yes", f"CUDA device with compute capability {cc[0]}.{cc[1]} and Triton {triton_info['version']}"
 
 
+def _deepgemm_cache_info() -> dict:
+    """Where DeepGEMM keeps its JIT-compiled kernels and how many are there (``zerodiff warmup`` fills it)."""
+    import os
+
+    path = os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".deep_gemm")
+    cache = os.path.join(path, "cache")
+    try:
+        n = len([d for d in os.listdir(cache) if os.path.isdir(os.path.join(cache, d))])
+    except OSError:
+        n = 0
+    return {"path": path, "kernels": n, "from_env": bool(os.environ.get("DG_JIT_CACHE_DIR"))}
+
+
 def collect() -> dict:
     from . import __version__, backends
 
@@ -91,6 +104,7 @@ def collect() -> dict:
         "triton": tr,
         "backends": be,
         "pins": _pins_info(),
+        "deepgemm_jit_cache": _deepgemm_cache_info(),
         "consistency_mode": {"can_run": answer, "reason": why},
     }
 
@@ -127,6 +141,10 @@ def render(r: dict) -> str:
             else:
                 extra = b.get("detail", "pure torch" if name == "reference" else "")
             lines.append(f"  {name:<10} {ok} {extra}")
+    dg = r.get("deepgemm_jit_cache")
+    if dg is not None and be.get("deepgemm", {}).get("available"):
+        hint = "" if dg["kernels"] else " (empty: `zerodiff warmup` compiles a preset's kernels ahead)"
+        lines.append(f"deepgemm    JIT cache {dg['path']}: {dg['kernels']} compiled kernel(s){hint}")
     p = r["pins"]
     lines.append(f"pins        {p['path']}")
     if "error" in p:
