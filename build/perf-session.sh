@@ -74,7 +74,7 @@ e2e() {
   timed $(( $(left 5) < 60 ? $(left 5) : 60 )) "$E/topk-split" env ZD_TOPK_VARIANT=split $PY -m zerodiff.e2e_cli \
     bench --config h200 --steps 3 --warmup 1 --json "$E/topk-split.json"
   for f in "$E"/*.json; do
-    [ -f "$f" ] && note "   $(basename "$f" .json): $($PY -c "import json,sys; d=json.load(open(sys.argv[1])); print('ratio', round(d['ratio'], 3) if d.get('ratio') else None, 'consistent tok/s', d.get('consistent_tok_per_s'))" "$f" 2>&1)"
+    [ -f "$f" ] && note "   $(basename "$f" .json): $($PY -c "import json,sys; d=json.load(open(sys.argv[1])); print('ratio', round(d['ratio'], 3) if d.get('ratio') else None, 'forward GPU-time ratio', round(d['forward_device_ratio'], 3) if d.get('forward_device_ratio') else None, 'consistent tok/s', d.get('consistent_tok_per_s'))" "$f" 2>&1)"
   done
 }
 
