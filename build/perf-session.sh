@@ -6,14 +6,14 @@
 #
 # Stages (each with its own timeout; results are written as they come, so a cut-off call keeps what finished):
 #   0. zerodiff warmup --config h200 --config gpu_small        (background: DeepGEMM's M-dependent kernels)
-#   1. GPU tests: test_mhc, test_topk, test_integrations, test_e2e_gpu, test_logprobs, test_moe, test_rmsnorm,
-#      test_silu_mul_quant, test_router_gemm, test_triton_casts   (one pytest process per file)
+#   1. GPU tests in two halves (a: logprobs, integrations, sparse_attention, e2e_gpu; b: mhc, topk, rmsnorm,
+#      silu_mul_quant, moe, router_gemm, triton_casts, indexer), one pytest process per file
 #   2. micro-benchmark sweeps: bench_mhc --quick --sweep at H 2048 (the end-to-end model) and 7168,
 #      bench_topk --quick --sweep, bench_sparse_attention --quick --sweep
 #   3. end to end: zerodiff bench --config h200 --steps 3 with the shipped kernels, with each mHC variant in
 #      --variants (default: ieee_s112 bf16x3_s32 bf16x3_s112_e1 tf32_s112_e1), and with ZD_TOPK_VARIANT=split
-# Two GPUs: 0 then 1 on GPU 0; 2 then 3 on GPU 1 (timings never share a GPU with the tests or the warm-up).
-# One GPU: 0, 2, 3, then 1.
+# Two GPUs: GPU 0 runs 0, 3, then tests a; GPU 1 runs 2, then tests b (a timing never overlaps a test or the
+# warm-up on its GPU). One GPU: 0, 2, 3, then tests a and b.
 # Outputs under $OUT (at most 8 files come back from a lent machine):
 #   summary.txt  sweeps.tar.gz  e2e.tar.gz  tests.tar.gz
 # Read them with: python benchmarks/report.py (sweeps), the JSON "ratio" fields (e2e), tests/files.txt.
@@ -78,18 +78,21 @@ e2e() {
   done
 }
 
-tests() {
+TESTS_A="tests/test_logprobs.py tests/test_integrations.py tests/test_sparse_attention.py tests/test_e2e_gpu.py"
+TESTS_B="tests/test_mhc.py tests/test_topk.py tests/test_rmsnorm.py tests/test_silu_mul_quant.py tests/test_moe.py tests/test_router_gemm.py tests/test_triton_casts.py tests/test_indexer.py"
+tests() {  # tests SUBDIR FILES: one pytest process per file, results under $T/SUBDIR
   [ "$SKIP_TESTS" = 1 ] && { note "== tests skipped"; return 0; }
-  note "== GPU tests (t=$(elapsed)s)"
-  ZD_TEST_FILES="tests/test_mhc.py tests/test_topk.py tests/test_integrations.py tests/test_e2e_gpu.py tests/test_logprobs.py tests/test_moe.py tests/test_rmsnorm.py tests/test_silu_mul_quant.py tests/test_router_gemm.py tests/test_triton_casts.py" \
-    ZD_SKIP_UNPACK=1 PYTEST_ADDOPTS="--timeout=150" OUT="$T" timeout -k 10 $(left 10) build/gpu-suite.sh --tests-only \
-    >"$T/suite.out" 2>&1
-  cat "$T/files.txt" 2>/dev/null | tee -a "$SUM"
-  grep -E "^(FAILED|ERROR)" "$T/pytest.log" 2>/dev/null | cut -c1-250 | tail -n 20 | tee -a "$SUM"
+  local d="$T/$1"; mkdir -p "$d"
+  note "== GPU tests $1 on GPU ${CUDA_VISIBLE_DEVICES:-0} (t=$(elapsed)s)"
+  [ "$(left 10)" -lt 30 ] && { note "   skipped ($(left)s left)"; return 0; }
+  ZD_TEST_FILES="$2" ZD_SKIP_UNPACK=1 PYTEST_ADDOPTS="--timeout=150" OUT="$d" timeout -k 10 $(left 10) \
+    build/gpu-suite.sh --tests-only >"$d/suite.out" 2>&1
+  cat "$d/files.txt" 2>/dev/null | tee -a "$SUM"
+  grep -E "^(FAILED|ERROR)" "$d/pytest.log" 2>/dev/null | cut -c1-250 | tail -n 20 | tee -a "$SUM"
 }
 
-# the warm-up's GEMMs must not overlap a timing: on two GPUs it runs on GPU 0 (the tests' GPU) while GPU 1 sweeps;
-# DeepGEMM's cache is per machine, so GPU 1's end-to-end benches find its kernels compiled
+# the warm-up's GEMMs must not overlap a timing: on two GPUs the end-to-end benches wait for it on GPU 0 while
+# GPU 1 sweeps; each GPU then runs half of the tests after its timings (DeepGEMM's cache is per machine)
 if [ "$NGPU" -ge 2 ]; then
   CUDA_VISIBLE_DEVICES=0 $PY -m zerodiff.e2e_cli warmup --config h200 --config gpu_small >"$OUT/warmup.log" 2>&1 &
 else
@@ -99,11 +102,11 @@ WPID=$!
 wait_warmup() { while kill -0 $WPID 2>/dev/null; do sleep 2; done; }
 
 if [ "$NGPU" -ge 2 ]; then
-  ( export CUDA_VISIBLE_DEVICES=0; wait_warmup; tests ) &
-  ( export CUDA_VISIBLE_DEVICES=1; sweeps; e2e ) &
+  ( export CUDA_VISIBLE_DEVICES=0; e2e; tests a "$TESTS_A" ) &
+  ( export CUDA_VISIBLE_DEVICES=1; sweeps; tests b "$TESTS_B" ) &
   wait
 else
-  wait_warmup; sweeps; e2e; tests
+  wait_warmup; sweeps; e2e; tests a "$TESTS_A"; tests b "$TESTS_B"
 fi
 note "warmup: $(tail -n 1 "$OUT/warmup.log")"
 note "done in $(elapsed)s"

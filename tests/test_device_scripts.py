@@ -115,12 +115,17 @@ def test_perf_session_times_every_variant_and_never_shares_a_timed_gpu(tmp_path,
     assert topk["ratio"] == 0.9
     warm = [c for c in calls if "e2e_cli warmup" in c[1]]
     timed = sweeps + bench
-    if ngpu == 2:  # warm-up and tests on GPU 0 (tests after it), every timing on GPU 1
-        assert {d for d, _ in warm} == {"0"} and {d for d, _ in timed} == {"1"}
-        assert all(d == "0" for d, a in calls if "-m pytest" in a)
-        assert _first(calls, "WARMUP-DONE") < _first(calls, "-m pytest")
+    tests = [(i, c) for i, c in enumerate(calls) if "-m pytest" in c[1]]
+    assert {a.split()[-1] for _, (_, a) in tests} >= {"tests/test_mhc.py", "tests/test_logprobs.py"}
+    last_bench = max(i for i, c in enumerate(calls) if "e2e_cli bench" in c[1])
+    last_sweep = max(i for i, c in enumerate(calls) if "benchmarks/bench_" in c[1])
+    if ngpu == 2:  # end to end on GPU 0 after the warm-up, sweeps on GPU 1; each GPU's tests after its timings
+        assert {d for d, _ in warm} == {"0"} and {d for d, _ in bench} == {"0"} and {d for d, _ in sweeps} == {"1"}
+        assert _first(calls, "WARMUP-DONE") < _first(calls, "e2e_cli bench")
+        assert {d for _, (d, _) in tests} == {"0", "1"}
+        assert all(i > (last_bench if d == "0" else last_sweep) for i, (d, _) in tests)
     else:  # nothing is timed before the warm-up has finished, tests last
         assert _first(calls, "WARMUP-DONE") < _first(calls, "benchmarks/bench_")
-        assert _first(calls, "-m pytest") > max(_first(calls, "e2e_cli bench"), _first(calls, "benchmarks/bench_"))
+        assert min(i for i, _ in tests) > max(last_bench, last_sweep)
     text = (out / "summary.txt").read_text()
     assert "mhc-ieee_s112: ratio 0.9" in text and "topk-split: ratio 0.9" in text
