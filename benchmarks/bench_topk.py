@@ -5,8 +5,8 @@
 
 Every DSA shape is timed for both designs in the same run against the same ``torch.topk``: op
 ``topk_dsa`` is the public entry point with the default VARIANT, ``topk_dsa[single]`` / ``topk_dsa[split]``
-force one design. ``--sweep`` (a few minutes) adds ``topk_dsa_sweep`` rows: configs of the single kernel
-(CHUNK/DIGIT/num_warps) and every ``SPLIT_CANDIDATES`` entry of the split variant at widths 8K and 64K,
+force one design. ``--sweep`` adds ``topk_dsa_sweep`` rows: every ``SPLIT_CANDIDATES`` entry of the split variant (and with
+``--sweep-single`` the single kernel's CHUNK/DIGIT/num_warps configs, minutes more) at widths 8K and 64K,
 rows 1/64/1024, each with ``equal_to_reference`` (bitwise vs the default path on the same inputs).
 
 DSA indexer rows: fp32 scores [rows, width], width 8K/16K/32K/64K, k=2048, every row full length.
@@ -60,8 +60,9 @@ def _graph_fields(ours_fn, stock_fn, rep: int) -> dict:
     return out
 
 
-def sweep(k: int, rep: int) -> list[dict]:
-    """Every config of both designs at widths 8K / 64K, rows 1 / 64 / 1024, against one torch.topk time."""
+def sweep(k: int, rep: int, single: bool = False) -> list[dict]:
+    """Every split candidate (and with ``single`` every config of the single design) at widths 8K / 64K,
+    rows 1 / 64 / 1024, against one torch.topk time."""
     from zerodiff.reference.topk import deterministic_topk_ref
 
     rows = []
@@ -73,7 +74,7 @@ def sweep(k: int, rep: int) -> list[dict]:
             ref = deterministic_topk_ref(s[:4].cpu(), k, lens[:4].cpu()).cuda()  # first rows, exact rule
             t_stock = median_ms(lambda: torch.topk(s, k, dim=1), rep=rep)
             configs = []
-            for chunk in (2048, 4096, 8192):
+            for chunk in ((2048, 4096, 8192) if single else ()):
                 for digit in (8, 11):
                     for warps in (8, 16):
                         configs.append((f"single chunk={chunk} digit={digit} warps={warps}",
@@ -164,6 +165,8 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true",
                    help="also time every config of both designs (single: CHUNK/DIGIT/num_warps; split: "
                         "SPLIT_CANDIDATES) at widths 8K/64K; configs stay functions of the width only")
+    p.add_argument("--sweep-single", action="store_true",
+                   help="with --sweep: also the single design's configs (slow: 12 configs x 6 shapes)")
     p.add_argument("--aot", action="store_true", help="no GPU: compile every variant for sm_90a/sm_100a")
     args = p.parse_args()
     if args.aot:
@@ -233,7 +236,7 @@ def main() -> None:
                        phase=phase, target=1.3 if phase == "decode" else 1.1,
                        **_graph_fields(r_ours, r_stock, rep)))
     if args.sweep:
-        out += sweep(k, rep)
+        out += sweep(k, rep, single=args.sweep_single)
     write(args.json, "topk", out)
 
 

@@ -2,6 +2,7 @@
 # The one command of the end-to-end H200 run (issue 6). Run from the repository root on the GPU machine:
 #
 #   build/e2e-device.sh [--total SECONDS] [--config h200] [--steps 100] [--skip-tests] [--tests "FILES"]
+#                       [--also "SHELL COMMAND"]
 #
 # Stages, each in its own process with its own timeout (a failing or slow stage never loses the others):
 #   0. warm-up                        zerodiff warmup: DeepGEMM's M-dependent kernels compiled in parallel
@@ -10,6 +11,8 @@
 #   3. negative control               zerodiff check --config h200 --steps 3 --baseline
 #   4. throughput                     zerodiff bench --config h200 --steps 5
 #   5. more GPU tests                 --tests "tests/test_a.py ..." (two GPUs only, in the time left)
+#   +  --also CMD                     one more command right after the bench, on the bench's GPU (e.g. a
+#                                     micro-benchmark sweep; $LOGS is the folder that comes back in logs.tar.gz)
 # With two or more GPUs: the warm-up runs on all of them; the check starts at once on GPU 0 (it meets the
 # configurations the warm-up is compiling: whoever is first compiles, the cache is shared); GPU 1 waits for the
 # warm-up, then runs 3, 4, then test_e2e_gpu.py and the --tests files. With one GPU: the check starts at once
@@ -19,6 +22,7 @@
 #
 # Outputs under $OUT (few files on purpose; at most 8 come back from a lent machine):
 #   summary.txt  check_h200.json  base_h200.json  bench_h200.json  bench_h200.png  logs.tar.gz
+#   triton-cache-h200.tar.gz (the compiled Triton kernels: copy to .carry/ so the next call starts warm)
 # logs.tar.gz holds env.txt, every stage's full log, the warm-up log and the GPU tests (pytest log, junit XML).
 # Needs: python3 with CUDA torch + Triton + pytest; DeepGEMM/FlashMLA from an installed vLLM or from
 # build/wheel-kernels (unpacked from .carry/wheel-kernels.tar.gz when missing). No network, no pip.
@@ -27,7 +31,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${OUT:-$ROOT/results/e2e-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
-TOTAL=470; CONFIG=h200; STEPS=100; SKIP_TESTS=0; MORE_TESTS=""
+TOTAL=470; CONFIG=h200; STEPS=100; SKIP_TESTS=0; MORE_TESTS=""; ALSO=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --total) TOTAL="$2"; shift ;;
@@ -35,7 +39,8 @@ while [ $# -gt 0 ]; do
     --steps) STEPS="$2"; shift ;;
     --skip-tests) SKIP_TESTS=1 ;;
     --tests) MORE_TESTS="$2"; shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    --also) ALSO="$2"; shift ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -103,6 +108,14 @@ bench_stage() {  # $1: seconds available
     --time-budget $(( t - 15 )) --json "$OUT/bench_$CONFIG.json" --png "$OUT/bench_$CONFIG.png"
   grep -E "^step|rollout output tokens|baseline kernel|captured|Error|error" "$W/bench.log" | tail -n 16 | cut -c1-300 | tee -a "$SUM"
 }
+also_stage() {  # $1: seconds available: the --also command, if any
+  [ -z "$ALSO" ] && return 0
+  local t=$1
+  [ "$t" -gt 200 ] && t=200
+  [ "$t" -lt 20 ] && { note "== also skipped: ${t}s left"; return 0; }
+  LOGS="$W" stage also "$t" bash -c "$ALSO"
+  tail -n 5 "$W/also.log" | cut -c1-300 | tee -a "$SUM"
+}
 tests_stage() {  # $1: seconds available, $2: test files
   local t=$1
   [ "$t" -lt 30 ] && { note "== gpu tests skipped: ${t}s left"; return 0; }
@@ -125,6 +138,7 @@ if [ "$NGPU" -ge 2 ]; then
     export CUDA_VISIBLE_DEVICES=1
     baseline_stage
     bench_stage $(( TOTAL - $(elapsed) - 40 ))
+    also_stage $(( TOTAL - $(elapsed) - 60 ))
     files="$MORE_TESTS"
     [ "$SKIP_TESTS" = 1 ] || files="tests/test_e2e_gpu.py $files"
     [ -n "$files" ] && tests_stage $(( TOTAL - $(elapsed) - 15 )) "$files"
@@ -149,8 +163,10 @@ else
   wait $CPID
   baseline_stage
   bench_stage $(( TOTAL - $(elapsed) - 5 ))
+  also_stage $(( TOTAL - $(elapsed) - 5 ))
 fi
 
 note "done in $(elapsed)s"
+pack_triton_cache "$OUT" 2>&1 | tail -n 1 | tee -a "$OUT/summary.txt"
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs 2>/dev/null && rm -rf "$W"
 ls -la "$OUT"

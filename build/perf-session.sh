@@ -15,7 +15,7 @@
 # Two GPUs: GPU 0 runs 0, 3, then tests a; GPU 1 runs 2, then tests b (a timing never overlaps a test or the
 # warm-up on its GPU). One GPU: 0, 2, 3, then tests a and b.
 # Outputs under $OUT (at most 8 files come back from a lent machine):
-#   summary.txt  sweeps.tar.gz  e2e.tar.gz  tests.tar.gz
+#   summary.txt  sweeps.tar.gz  e2e.tar.gz  tests.tar.gz  triton-cache-h200.tar.gz (copy to .carry/)
 # Read them with: python benchmarks/report.py (sweeps), the JSON "ratio" fields (e2e), tests/files.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +49,8 @@ timed() {  # timed SECONDS NAME CMD...: run with a timeout, log to NAME.log, one
   [ "$t" -lt 20 ] && { note "   $name: skipped (${t}s left)"; return 0; }
   local s=$(date +%s)
   timeout -k 10 "$t" "$@" >"$name.log" 2>&1
-  note "   $(basename "$name"): rc=$? in $(( $(date +%s) - s ))s (t=$(elapsed)s)"
+  local rc=$?  # before any command substitution resets $?
+  note "   $(basename "$name"): rc=$rc$([ $rc = 124 ] && echo ' (timed out)') in $(( $(date +%s) - s ))s (t=$(elapsed)s)"
 }
 
 sweeps() {
@@ -110,6 +111,7 @@ else
 fi
 note "warmup: $(tail -n 1 "$OUT/warmup.log")"
 note "done in $(elapsed)s"
+pack_triton_cache "$OUT" 2>&1 | tail -n 1 | tee -a "$OUT/summary.txt"
 tar czf "$OUT/sweeps.tar.gz" -C "$OUT" sweeps && tar czf "$OUT/e2e.tar.gz" -C "$OUT" e2e && \
   tar czf "$OUT/tests.tar.gz" -C "$OUT" tests warmup.log && rm -rf "$S" "$E" "$T" "$OUT/warmup.log"
 ls -la "$OUT"

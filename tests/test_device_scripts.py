@@ -48,7 +48,8 @@ def _fakes(tmp_path: Path, ngpu: int) -> dict:
     log = tmp_path / "calls.log"
     log.write_text("")
     env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", PYTHON=str(py), FAKE_LOG=str(log),
-               OUT=str(tmp_path / "out"), ZD_SKIP_UNPACK="1", DG_JIT_CACHE_DIR=str(tmp_path / "dg"))
+               OUT=str(tmp_path / "out"), ZD_SKIP_UNPACK="1", DG_JIT_CACHE_DIR=str(tmp_path / "dg"),
+               TRITON_CACHE_DIR=str(tmp_path / "triton"))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 
@@ -68,7 +69,8 @@ def _first(calls, needle):
 @pytest.mark.parametrize("ngpu", [1, 2])
 def test_e2e_device_runs_every_stage_on_the_right_gpu(tmp_path, ngpu):
     env = _fakes(tmp_path, ngpu)
-    r = subprocess.run(["bash", str(REPO / "build/e2e-device.sh"), "--total", "300", "--tests", "tests/test_mhc.py"],
+    r = subprocess.run(["bash", str(REPO / "build/e2e-device.sh"), "--total", "300", "--tests", "tests/test_mhc.py",
+                        "--also", 'echo "$CUDA_VISIBLE_DEVICES|ALSO-RAN" >> "$FAKE_LOG"; echo swept > "$LOGS/sweep.txt"'],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     out = tmp_path / "out"
@@ -82,25 +84,29 @@ def test_e2e_device_runs_every_stage_on_the_right_gpu(tmp_path, ngpu):
     assert len(check) == len(base) == len(bench) == 1
     assert "--steps 100" in check[0][1] and "--time-budget" in check[0][1]
     assert any("warmup --config h200 --config gpu_small" in a for _, a in calls)
-    if ngpu == 2:  # the check on GPU 0; negative control and bench on GPU 1
+    assert _first(calls, "ALSO-RAN") > _first(calls, "e2e_cli bench")  # --also after the bench, on its GPU
+    if ngpu == 2:  # the check on GPU 0; negative control, bench and --also on GPU 1, tests after them
         assert check[0][0] == "0" and base[0][0] == bench[0][0] == "1"
+        assert calls[_first(calls, "ALSO-RAN")][0] == "1" and _first(calls, "-m pytest") > _first(calls, "ALSO-RAN")
     else:  # baseline and bench only after the check (memory), the bench last
         assert _first(calls, "--baseline") > _first(calls, "e2e_cli check --config h200 --steps 100")
         assert _first(calls, "e2e_cli bench") > _first(calls, "--baseline")
     with tarfile.open(out / "logs.tar.gz") as t:
-        assert "logs/tests/files.txt" in t.getnames()
+        assert "logs/tests/files.txt" in t.getnames() and "logs/sweep.txt" in t.getnames()
     assert "tests/test_mhc.py: exit 0" in (out / "summary.txt").read_text()
 
 
 @pytest.mark.parametrize("ngpu", [1, 2])
 def test_perf_session_times_every_variant_and_never_shares_a_timed_gpu(tmp_path, ngpu):
     env = _fakes(tmp_path, ngpu)
+    _fake_triton_cache(tmp_path / "triton")  # a run that compiled something packs its cache for the next call
     r = subprocess.run(["bash", str(REPO / "build/perf-session.sh"), "--total", "400",
                         "--variants", "ieee_s112 bf16x3_s32"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     out = tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir()) == ["e2e.tar.gz", "summary.txt", "sweeps.tar.gz", "tests.tar.gz"]
+    assert sorted(p.name for p in out.iterdir()) == ["e2e.tar.gz", "summary.txt", "sweeps.tar.gz", "tests.tar.gz",
+                                                     "triton-cache-h200.tar.gz"]
     calls = _calls(tmp_path)
     bench = [c for c in calls if "e2e_cli bench" in c[1]]
     assert len(bench) == 4  # shipped, two mHC variants, Top-K split
@@ -129,3 +135,46 @@ def test_perf_session_times_every_variant_and_never_shares_a_timed_gpu(tmp_path,
         assert min(i for i, _ in tests) > max(last_bench, last_sweep)
     text = (out / "summary.txt").read_text()
     assert "mhc-ieee_s112: ratio 0.9" in text and "topk-split: ratio 0.9" in text
+
+
+def _fake_triton_cache(cache: Path) -> None:
+    """Two cache entries laid out like Triton 3.x's: files per key, a group file with absolute paths."""
+    for key, name in (("AAA", "_topk_kernel"), ("BBB", "_mhc_epilogue")):
+        d = cache / key
+        d.mkdir(parents=True)
+        files = {}
+        for suffix, data in ((".json", '{"name": "%s"}' % name), (".cubin", "\x7fELF"), (".ptx", "// ptx"),
+                             (".llir", "; llir"), (".ttir", "// ttir")):
+            (d / f"{name}{suffix}").write_text(data)
+            files[f"{name}{suffix}"] = str(d / f"{name}{suffix}")
+        (d / f"__grp__{name}.json").write_text(json.dumps({"child_paths": files}))
+
+
+def test_triton_cache_pack_unpack_rewrites_paths(tmp_path):
+    src = tmp_path / "machine-a" / "cache"
+    _fake_triton_cache(src)
+    tool = [sys.executable, str(REPO / "build/triton_cache.py")]
+    arc = tmp_path / "tc.tar.gz"
+    r = subprocess.run(tool + ["pack", str(src), str(arc)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    with tarfile.open(arc) as t:
+        names = t.getnames()
+    assert "triton-cache/AAA/_topk_kernel.cubin" in names and "triton-cache/AAA/__grp___topk_kernel.json" in names
+    assert not any(n.endswith((".llir", ".ttir")) for n in names)  # intermediate IRs stay behind
+    dst = tmp_path / "machine-b" / "cache"
+    r = subprocess.run(tool + ["unpack", str(arc), str(dst)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    grp = json.loads((dst / "AAA" / "__grp___topk_kernel.json").read_text())["child_paths"]
+    # every path of the group points into the new cache and exists there (what a Triton cache hit needs)
+    kept = {c: p for c, p in grp.items() if not c.endswith((".llir", ".ttir"))}
+    assert all(p.startswith(str(dst)) for p in grp.values())
+    assert all(Path(p).is_file() for p in kept.values())
+    assert (dst / "AAA" / "_topk_kernel.cubin").read_text() == "\x7fELF"
+    # over the size limit: refused, nothing written
+    r = subprocess.run(tool + ["pack", str(src), str(tmp_path / "big.tar.gz"), "--max-mib", "0"],
+                       capture_output=True, text=True)
+    assert r.returncode == 3 and not (tmp_path / "big.tar.gz").exists()
+    # no cache: a clear message, no file
+    r = subprocess.run(tool + ["pack", str(tmp_path / "none"), str(tmp_path / "x.tar.gz")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "no cache" in r.stderr

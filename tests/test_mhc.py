@@ -304,7 +304,7 @@ PRE_KW = dict(rms_eps=ref.RMS_EPS, hc_pre_eps=ref.HC_EPS, hc_sinkhorn_eps=ref.HC
 
 
 def test_variant_registry_split_counts():
-    assert mhc.DEFAULT_VARIANT == "fp32_s1" and mhc.DEFAULT_HEAD_VARIANT == "fp32_s1"
+    assert mhc.DEFAULT_VARIANT == "bf16x3_s112_e1" and mhc.DEFAULT_HEAD_VARIANT == "bf16x3_s112_e1"
     assert mhc.VARIANTS["fp32_s1"].precision == "fp32_legacy"
     for name, v in mhc.VARIANTS.items():
         for H in (256, 512, 4096, 7168):

@@ -6,8 +6,14 @@ pre-norm projection GEMM from the token count and the SM count (``compute_num_sp
 or 112 (H 7168) splits at small T, 1 at large T) and sums the partial sums afterwards, so a token's mixing weights depend on
 how many tokens share its batch. This module removes that dependence.
 
-Numerical contract of :func:`mhc_pre` (Triton backend)
-------------------------------------------------------
+Shipped configuration (decided on the H200, 2026-11-30): ``DEFAULT_VARIANT = DEFAULT_HEAD_VARIANT =
+"bf16x3_s112_e1"``: the projection split into a split count fixed by the model shape (112 requested; a
+function of K = n*H only, never of T), bf16x3 tensor-core products with fp32-class accuracy, one-warp
+epilogue. Its contract is the one below with the projection / sum of squares replaced as described under
+"Variants". The split-1 kernels (``variant="fp32_s1"``) stay selectable and verified.
+
+Numerical contract of :func:`mhc_pre` (Triton backend; ``fp32_s1``, the split-1 base contract)
+------------------------------------------------------------------------------------------------
 * Split count fixed at ``FIXED_SPLITS = 1``; no small-batch branch; one kernel configuration
   (``_GEMM_BM/_GEMM_BN/_GEMM_BK``, warps) for every T. The grid depends on T, the per-row arithmetic
   never does: rows are tiled ``_GEMM_BM`` at a time and no value crosses rows.
@@ -44,8 +50,9 @@ epilogue. Its bits depend on T; ours do not.
 
 Variants (opt-in, ``variant=`` keyword / :data:`DEFAULT_VARIANT`)
 -----------------------------------------------------------------
-The default stays ``"fp32_s1"`` (the contract above, verified on the H200). :data:`VARIANTS` holds
-batch-invariant alternatives of the projection, selected by name (``mhc_pre(..., variant="bf16x3_s32")``,
+:data:`VARIANTS` holds the batch-invariant configurations of the projection (the shipped default
+``bf16x3_s112_e1`` among them; ``fp32_s1`` is the split-1 contract above), selected by name
+(``mhc_pre(..., variant="bf16x3_s32")``,
 ``hc_head(..., variant=...)``); each is ONE fixed configuration per model shape:
 
 * Split count ``S = variant_splits(n*H, variant)[0]``: the requested count rounded so every split holds
@@ -109,9 +116,13 @@ Performance analysis (H 7168, hc 4: K = n*H = 28672, 24 mixes; H200, 2026-11-30)
   96-125), tf32x3 146-167, ieee 56-70, one-warp epilogue 70, no spills anywhere, every load a 16-byte
   cp.async, ``wgmma``; sm_100a: 55-64 registers, ``tcgen05``. Without the hints (pointer / K
   divisibility) the AOT loads degrade to 4-byte copies and the counts reach 255: not what runs.
-* Recommended switch (pending the sweep): ``DEFAULT_VARIANT = DEFAULT_HEAD_VARIANT = "bf16x3_s<S>"``
-  with the S whose worst ratio over T is best (expected 32 or 112); ``tf32_s<S>`` if bf16x3 is
-  measurably slower and TF32 accuracy (upstream's own) is accepted. Never choose S from T.
+* Decision (H200, 2026-11-30, ``build/perf-session.sh``; docs/benchmarks.md): ``bf16x3_s112_e1`` for
+  both mhc_pre and hc_head. Its worst mhc_pre ratio over T in {1, 64, 2048, 8192} is the best of the
+  variants at H 2048 (2.24; bf16x3_s32 2.86) and equal best at H 7168 (2.53); decode 0.033-0.040 ms vs stock
+  0.019-0.036 (fp32_s1 was 0.31 / 1.07 ms); end to end (``zerodiff bench --config h200``) rollout
+  throughput consistent/baseline 1.012 and model-forward GPU time ratio 1.07 (fp32_s1: 0.832 / 0.759).
+  The remaining prefill gap (2.0-2.5x the stock TF32 split-from-T GEMM at T >= 2048) is the three bf16
+  passes plus the partials' round trip; hc_head is 0.13-0.31x its torch-eager stock at every T.
 
 Bad input raises ``ValueError`` naming the argument: wrong dtype / rank / shape, ``hc_mult`` not in
 (1, 2, 4) for pre / head (not a power of two <= 8 for post), tensors on different devices,
@@ -615,9 +626,10 @@ VARIANTS: dict[str, PrenormVariant] = dict([
 ])
 
 #: the variant mhc_pre / hc_head use when ``variant=None``. Changing it changes values (not invariance)
-#: and must be done for rollout and training at once (both import this constant).
-DEFAULT_VARIANT = "fp32_s1"
-DEFAULT_HEAD_VARIANT = "fp32_s1"
+#: and must be done for rollout and training at once (both import this constant). Chosen from the H200
+#: sweep and end-to-end bench of 2026-11-30 (module docstring, "Decision").
+DEFAULT_VARIANT = "bf16x3_s112_e1"
+DEFAULT_HEAD_VARIANT = "bf16x3_s112_e1"
 
 
 def _resolve_variant(variant) -> PrenormVariant:

@@ -35,7 +35,7 @@ passes (everything valid is selected). Columns past a row's length never influen
 (at most 15 of them are read, never past W).
 
 Split variant (``VARIANT = "split"``, rows at least ``SPLIT_MIN_W`` wide; same bits, exact integer logic):
-the row is cut into NS = ceil(W / SW) slices (SW from W only, about W/16 in [1024, 4096], 8192 past
+the row is cut into NS = ceil(W / SW) slices (SW from W only, about W/4 in [1024, 4096], 8192 past
 128K). Slices at or past a row's length do nothing.
 ``LV`` launches of NS programs per row each histogram one full-row digit (default 2 levels of 8 bits) of the
 candidates whose higher digits match the prefix chosen by the previous levels; slices add their counts into
@@ -83,8 +83,11 @@ length to ``[0, W]`` in any case, so a bad value can never read out of bounds.
 
 Backends: ``None`` -> Triton for CUDA tensors, the reference for CPU tensors; ``"triton"`` (CPU tensors
 run through Triton's interpreter: small shapes only); ``"reference"``. The Triton design is chosen by the
-module constant ``VARIANT`` ("single", the default verified on the H200, or "split"; environment
-``ZD_TOPK_VARIANT``), for rows at least ``SPLIT_MIN_W`` = 4096 wide; narrower rows always run "single".
+module constant ``VARIANT`` ("split", the default since the H200 timings of 2026-11-30, or "single";
+environment ``ZD_TOPK_VARIANT``), for rows at least ``SPLIT_MIN_W`` = 4096 wide; narrower rows always run
+"single". Both designs give identical positions (exact integer logic); measured on the H200 (k=2048,
+ours/torch.topk, medians): split 0.60-0.70 at W=8K rows 1-64 with the slice width chosen below, 0.94 at
+rows 1024; W=64K 0.94 / 1.09 / 1.49 at rows 1 / 64 / 1024; single 1.9-12x (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -436,12 +439,12 @@ def _config(W: int) -> tuple[int, int, int]:
     return chunk, digit, warps
 
 
-#: which kernel design the public entry point runs for rows of width >= SPLIT_MIN_W: "single" (one
-#: program per row, the design verified on the H200 on 2026-11-30) or "split" (three launches, see the
-#: module docstring). Both give identical bits (exact integer logic, tested against the reference); the
+#: which kernel design the public entry point runs for rows of width >= SPLIT_MIN_W: "split" (the default:
+#: LV + 2 launches, see the module docstring; 3-8x faster than "single" on the H200) or "single" (one
+#: program per row). Both give identical bits (exact integer logic, tested against the reference); the
 #: choice is about speed only. Override with the environment variable ZD_TOPK_VARIANT or by assigning
 #: ``zerodiff.ops.topk.VARIANT``; it is read at every call and never depends on the number of rows.
-VARIANT = os.environ.get("ZD_TOPK_VARIANT", "single")
+VARIANT = os.environ.get("ZD_TOPK_VARIANT", "split")
 VARIANTS = ("single", "split")
 #: the split variant is used only for rows at least this wide (narrow rows: routing, short contexts)
 SPLIT_MIN_W = 4096
@@ -454,14 +457,15 @@ SPLIT_SCRATCH_BYTES = 256 << 20
 def _split_config(W: int) -> dict:
     """Split-variant configuration from the row width only.
 
-    SW: slice width (one program per slice in the full-row launches), about W/16 within [1024, 4096]
-    (up to 8192 so that rows up to 256K have at most 32 slices);
+    SW: slice width (one program per slice in the full-row launches), about W/4 within [1024, 4096]
+    (up to 8192 so that rows up to 256K have at most 32 slices); H200 sweep 2026-11-30 at W=8K: SW 2048
+    0.60-0.94x torch.topk at rows 1-1024, SW 1024 0.70-1.28x, SW 512 1.01-2.1x;
     D0, LV: LV full-row levels of D0-bit digits (2 x 8 bits: two 256-bin histograms over the row);
     D: digit of the passes over the kept list (32 - D0*LV must be a multiple of D: 2 passes of 8 bits);
     CH: chunk of the finishing program; W1/W2/W3: warps of the histogram / compaction / finishing launches.
     """
     sw = 1024
-    while sw * 16 < W and sw < 4096:
+    while sw * 4 < W and sw < 4096:
         sw *= 2
     while -(-W // sw) > 32 and sw < 8192:  # very long rows (e.g. 160K): at most 32 slices up to 256K
         sw *= 2
@@ -480,6 +484,8 @@ SPLIT_CANDIDATES = (
     dict(name="ch256", CH=256),
     dict(name="sw_half", SW="half"),  # twice as many slices (more programs for few rows)
     dict(name="sw_double", SW="double"),  # half as many slices (fewer, longer programs)
+    dict(name="sw_quad", SW="quad"),  # a quarter of the slices
+    dict(name="lv3_sw_double", LV=3, SW="double"),  # tiny kept list, fewer programs
     dict(name="w1_4", W1=4, W2=4),
     dict(name="w3_8", W3=8),
 )
@@ -492,6 +498,8 @@ def split_candidate(W: int, cand: dict) -> dict:
         cfg["SW"] = max(16, _split_config(W)["SW"] // 2)
     elif cfg.get("SW") == "double":
         cfg["SW"] = _split_config(W)["SW"] * 2
+    elif cfg.get("SW") == "quad":
+        cfg["SW"] = _split_config(W)["SW"] * 4
     return cfg
 
 
