@@ -5,7 +5,7 @@
 # DeepGEMM JIT cache (.carry/dgcache-h200.tar.gz: the kernels an earlier H200 run compiled, holding `dgcache/`)
 # is unpacked to build/dgcache and used when DG_JIT_CACHE_DIR is not set: no NVCC time for what it holds.
 # Triton's kernel cache likewise: TRITON_CACHE_DIR defaults to build/triton-cache, seeded from a carried
-# .carry/triton-cache-h200.tar.gz (written by `pack_triton_cache OUT` at the end of a run: build/triton_cache.py).
+# .carry/triton-cache-h200*.tar.gz (one or more parts, written by `pack_triton_cache OUT` at the end of a run: build/triton_cache.py).
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -18,8 +18,9 @@ if [ -z "${DG_JIT_CACHE_DIR:-}" ] && [ -f .carry/dgcache-h200.tar.gz ]; then
   export DG_JIT_CACHE_DIR="$PWD/build/dgcache"
 fi
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/build/triton-cache}
-if [ ! -d "$TRITON_CACHE_DIR" ] && [ -f .carry/triton-cache-h200.tar.gz ]; then
-  $PY build/triton_cache.py unpack .carry/triton-cache-h200.tar.gz "$TRITON_CACHE_DIR" || true
+TC_PARTS=$(ls .carry/triton-cache-h200*.tar.gz 2>/dev/null)
+if [ ! -d "$TRITON_CACHE_DIR" ] && [ -n "$TC_PARTS" ]; then
+  $PY build/triton_cache.py unpack "$TRITON_CACHE_DIR" $TC_PARTS || true
 fi
 pack_triton_cache() {  # pack_triton_cache OUTDIR: the run's Triton cache for the next call (skipped if > 15 MiB)
   [ -d "$TRITON_CACHE_DIR" ] && $PY build/triton_cache.py pack "$TRITON_CACHE_DIR" "$1/triton-cache-h200.tar.gz" || true

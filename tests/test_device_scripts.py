@@ -160,20 +160,31 @@ def test_triton_cache_pack_unpack_rewrites_paths(tmp_path):
     with tarfile.open(arc) as t:
         names = t.getnames()
     assert "triton-cache/AAA/_topk_kernel.cubin" in names and "triton-cache/AAA/__grp___topk_kernel.json" in names
-    assert not any(n.endswith((".llir", ".ttir")) for n in names)  # intermediate IRs stay behind
+    assert not any(n.endswith((".llir", ".ttir", ".ptx")) for n in names)  # what a cache hit never reads
     dst = tmp_path / "machine-b" / "cache"
-    r = subprocess.run(tool + ["unpack", str(arc), str(dst)], capture_output=True, text=True)
+    r = subprocess.run(tool + ["unpack", str(dst), str(arc)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     grp = json.loads((dst / "AAA" / "__grp___topk_kernel.json").read_text())["child_paths"]
     # every path of the group points into the new cache and exists there (what a Triton cache hit needs)
-    kept = {c: p for c, p in grp.items() if not c.endswith((".llir", ".ttir"))}
+    kept = {c: p for c, p in grp.items() if not c.endswith((".llir", ".ttir", ".ptx"))}
     assert all(p.startswith(str(dst)) for p in grp.values())
     assert all(Path(p).is_file() for p in kept.values())
     assert (dst / "AAA" / "_topk_kernel.cubin").read_text() == "\x7fELF"
-    # over the size limit: refused, nothing written
+    # over the size limit: whole kernels per part, and the parts unpack to the same cache
+    one = len(arc.read_bytes()) / (1 << 20)
+    r = subprocess.run(tool + ["pack", str(src), str(tmp_path / "p.tar.gz"), "--max-mib", str(one * 0.8)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    parts = sorted(tmp_path.glob("p.part*.tar.gz"))
+    assert [q.name for q in parts] == ["p.part1.tar.gz", "p.part2.tar.gz"] and not (tmp_path / "p.tar.gz").exists()
+    dst2 = tmp_path / "machine-c" / "cache"
+    r = subprocess.run(tool + ["unpack", str(dst2)] + [str(q) for q in parts], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert sorted(q.relative_to(dst2) for q in dst2.rglob("*")) == sorted(q.relative_to(dst) for q in dst.rglob("*"))
+    # not even in --max-parts parts: refused, nothing written
     r = subprocess.run(tool + ["pack", str(src), str(tmp_path / "big.tar.gz"), "--max-mib", "0"],
                        capture_output=True, text=True)
-    assert r.returncode == 3 and not (tmp_path / "big.tar.gz").exists()
+    assert r.returncode == 3 and not list(tmp_path.glob("big*"))
     # no cache: a clear message, no file
     r = subprocess.run(tool + ["pack", str(tmp_path / "none"), str(tmp_path / "x.tar.gz")],
                        capture_output=True, text=True)
