@@ -6,11 +6,12 @@ mhc_pre (hc_mult 4, H in 4096 / 7168, T tokens):
           ``compute_num_split``), then the partials added in split order by our Triton epilogue
           (stand-in for TileLang's ``mhc_pre_big_fuse``; same memory traffic). Falls back to per-split
           cuBLAS matmuls where DeepGEMM is missing (the row's ``stock`` field says which ran).
-  ours  = ``mhc_pre`` (split count fixed at 1); columns ``ours_gemm_ms`` / ``ours_epi_ms`` split it.
+  ours  = ``mhc_pre`` with the shipped ``mhc.DEFAULT_VARIANT`` (row field ``variant``); columns
+          ``ours_gemm_ms`` / ``ours_epi_ms`` split it into projection and epilogue.
   also  = the plain torch fp32 eager path (``torch_eager_ms``), and variants that are NOT the contract,
           for the lead's decision: ``tf32x3_ms`` (the projection on tensor cores, 3 passes) and
           ``fixed8_ms`` / ``fixed16_ms`` (a fixed split count of 8 / 16 for every T: still batch-invariant,
-          same x traffic, more programs at small T, but a change of the "split count 1" contract).
+          same x traffic, more programs at small T; informational, from before the variant registry).
 mhc_post: ours vs the torch fp32 eager formula (vLLM's ``mhc_post_torch``; TileLang's kernel is not
           available without TileLang).
 hc_head:  ours vs torch fp32 eager (the final collapse, once per forward).
@@ -233,9 +234,16 @@ def main():
         t_ours = median_ms(lambda: mhc.mhc_pre(res, fn, scale, base, **KW), **reps)
         t_stock = median_ms(lambda: mhc.mhc_pre_split_baseline(res, fn, scale, base, n_sms=n_sms,
                                                                gemm=gemm_kind, **KW), **reps)
-        mix, sq = mhc.prenorm_gemm(res, fn)
-        t_gemm = median_ms(lambda: mhc.prenorm_gemm(res, fn), **reps)
-        t_epi = median_ms(lambda: mhc.pre_epilogue(mix, sq, res, scale, base, **KW), **reps)
+        dv = mhc.VARIANTS[mhc.DEFAULT_VARIANT]  # the projection / epilogue split of what mhc_pre runs
+        if dv.precision == "fp32_legacy":
+            mix, sq = mhc.prenorm_gemm(res, fn)
+            t_gemm = median_ms(lambda: mhc.prenorm_gemm(res, fn), **reps)
+            t_epi = median_ms(lambda: mhc.pre_epilogue(mix, sq, res, scale, base, **KW), **reps)
+        else:
+            mix, sq = mhc.prenorm_gemm_splitk(res, fn, dv)
+            t_gemm = median_ms(lambda: mhc.prenorm_gemm_splitk(res, fn, dv), **reps)
+            t_epi = median_ms(lambda: mhc.pre_epilogue_splits(mix, sq, res, scale, base, epi_warps=dv.epi_warps,
+                                                             **KW), **reps)
         t_eager = median_ms(lambda: mhc.mhc_pre_torch_eager(res, fn, scale, base, **KW), **reps)
         extra = {}
         for name, splits, prec in (("tf32x3_ms", 1, "tf32x3"), ("fixed8_ms", 8, "ieee"),
@@ -245,7 +253,7 @@ def main():
                 extra[name] = round(median_ms(lambda: variant(res, fn, scale, base, splits, prec), **reps), 5)
             except Exception as e:  # noqa: BLE001 - informational variants only
                 extra[name] = f"failed: {type(e).__name__}: {str(e)[:100]}"
-        rows.append(row("mhc_pre", shape, t_ours, t_stock, stock_name,
+        rows.append(row("mhc_pre", shape, t_ours, t_stock, stock_name, variant=mhc.DEFAULT_VARIANT,
                         ours_gemm_ms=round(t_gemm, 5), ours_epi_ms=round(t_epi, 5),
                         torch_eager_ms=round(t_eager, 5), ratio_vs_eager=round(t_ours / t_eager, 4),
                         max_abs_comb_diff_vs_stock=comb_diff, stock_n_splits=info["n_splits"], **extra))

@@ -74,7 +74,8 @@ def test_e2e_device_runs_every_stage_on_the_right_gpu(tmp_path, ngpu):
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     out = tmp_path / "out"
-    names = sorted(p.name for p in out.iterdir())
+    # the Triton cache comes back when anything in the run compiled (the env report's backend probe may)
+    names = sorted(p.name for p in out.iterdir() if p.name != "triton-cache-h200.tar.gz")
     assert names == ["base_h200.json", "bench_h200.json", "check_h200.json", "logs.tar.gz", "summary.txt"]
     assert len(names) <= 8  # what a lent machine sends back
     calls = _calls(tmp_path)

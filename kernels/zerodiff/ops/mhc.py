@@ -770,8 +770,9 @@ def mhc_pre(
     """mHC pre: (layer_input bf16 [T, H], post fp32 [T, n], comb fp32 [T, n, n]).
 
     ``residual`` bf16 [T, n, H]; ``fn`` fp32 [n*(n+2), n*H]; ``hc_scale`` fp32 [3]; ``hc_base`` fp32
-    [n*(n+2)]. Contract in the module docstring (split count fixed at 1). ``variant`` (Triton backend
-    only; None = :data:`DEFAULT_VARIANT`) picks a fixed projection configuration from :data:`VARIANTS`."""
+    [n*(n+2)]. Contract in the module docstring (split count fixed by the model shape, never by T).
+    ``variant`` (Triton backend only; None = :data:`DEFAULT_VARIANT`) picks a fixed projection configuration
+    from :data:`VARIANTS`."""
     _check_pre(residual, fn, hc_scale, hc_base, sinkhorn_iters)
     be = _pick_backend(backend, residual.device)
     v = _resolve_variant(variant)

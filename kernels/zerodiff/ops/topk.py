@@ -35,8 +35,7 @@ passes (everything valid is selected). Columns past a row's length never influen
 (at most 15 of them are read, never past W).
 
 Split variant (``VARIANT = "split"``, rows at least ``SPLIT_MIN_W`` wide; same bits, exact integer logic):
-the row is cut into NS = ceil(W / SW) slices (SW from W only, about W/4 in [1024, 4096], 8192 past
-128K). Slices at or past a row's length do nothing.
+the row is cut into NS = ceil(W / SW) slices (SW from W only, about W/2 in [1024, 8192]). Slices at or past a row's length do nothing.
 ``LV`` launches of NS programs per row each histogram one full-row digit (default 2 levels of 8 bits) of the
 candidates whose higher digits match the prefix chosen by the previous levels; slices add their counts into
 the row's level histogram with integer atomics (exact, order-free). Every program replays the radix
@@ -86,8 +85,8 @@ run through Triton's interpreter: small shapes only); ``"reference"``. The Trito
 module constant ``VARIANT`` ("split", the default since the H200 timings of 2026-11-30, or "single";
 environment ``ZD_TOPK_VARIANT``), for rows at least ``SPLIT_MIN_W`` = 4096 wide; narrower rows always run
 "single". Both designs give identical positions (exact integer logic); measured on the H200 (k=2048,
-ours/torch.topk, medians): split 0.60-0.70 at W=8K rows 1-64 with the slice width chosen below, 0.94 at
-rows 1024; W=64K 0.94 / 1.09 / 1.49 at rows 1 / 64 / 1024; single 1.9-12x (docs/benchmarks.md).
+ours/torch.topk, medians, rows 1 / 64 / 1024) with the slice width chosen in :func:`_split_config`:
+W=8K 0.63 / 0.58 / 0.82, W=64K 0.68 / 0.82 / 1.21; the single design 1.9-12x (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -457,17 +456,16 @@ SPLIT_SCRATCH_BYTES = 256 << 20
 def _split_config(W: int) -> dict:
     """Split-variant configuration from the row width only.
 
-    SW: slice width (one program per slice in the full-row launches), about W/4 within [1024, 4096]
-    (up to 8192 so that rows up to 256K have at most 32 slices); H200 sweep 2026-11-30 at W=8K: SW 2048
-    0.60-0.94x torch.topk at rows 1-1024, SW 1024 0.70-1.28x, SW 512 1.01-2.1x;
+    SW: slice width (one program per slice in the full-row launches), about W/2 within [1024, 8192]
+    (rows up to 256K: at most 32 slices). H200 sweep 2026-11-30 (ours/torch.topk at rows 1 / 64 /
+    1024): W=8K SW 4096 0.63 / 0.58 / 0.82, SW 2048 0.63 / 0.59 / 0.91, SW 1024 0.70 / 0.70 / 1.27;
+    W=64K SW 8192 0.68 / 0.82 / 1.21, SW 4096 0.93 / 1.09 / 1.60, SW 16384 0.89 / 0.87 / 1.37;
     D0, LV: LV full-row levels of D0-bit digits (2 x 8 bits: two 256-bin histograms over the row);
     D: digit of the passes over the kept list (32 - D0*LV must be a multiple of D: 2 passes of 8 bits);
     CH: chunk of the finishing program; W1/W2/W3: warps of the histogram / compaction / finishing launches.
     """
     sw = 1024
-    while sw * 4 < W and sw < 4096:
-        sw *= 2
-    while -(-W // sw) > 32 and sw < 8192:  # very long rows (e.g. 160K): at most 32 slices up to 256K
+    while sw * 2 < W and sw < 8192:
         sw *= 2
     return dict(SW=sw, D0=8, LV=2, D=8, CH=512, W1=8 if sw >= 4096 else 4, W2=8 if sw >= 4096 else 4, W3=4)
 
@@ -491,15 +489,20 @@ SPLIT_CANDIDATES = (
 )
 
 
+#: the widest slice a sweep candidate asks for (one program holds SW keys in registers: 16K at 8 warps is
+#: 64 per thread; measured at W=64K: 16K slices were slower than 8K)
+SPLIT_MAX_CANDIDATE_SW = 16384
+
+
 def split_candidate(W: int, cand: dict) -> dict:
     """The full split config of a SPLIT_CANDIDATES entry at width W (benchmarks and GPU tests)."""
     cfg = {key: v for key, v in cand.items() if key != "name"}
     if cfg.get("SW") == "half":
         cfg["SW"] = max(16, _split_config(W)["SW"] // 2)
     elif cfg.get("SW") == "double":
-        cfg["SW"] = _split_config(W)["SW"] * 2
+        cfg["SW"] = min(SPLIT_MAX_CANDIDATE_SW, _split_config(W)["SW"] * 2)
     elif cfg.get("SW") == "quad":
-        cfg["SW"] = _split_config(W)["SW"] * 4
+        cfg["SW"] = min(SPLIT_MAX_CANDIDATE_SW, _split_config(W)["SW"] * 4)
     return cfg
 
 
