@@ -156,8 +156,8 @@ def test_mhc_variant_option_is_validated_and_recorded(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="not one of"):
         e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--quiet", "--mhc-variant", "fp32_s7"])
     out = tmp_path / "c.json"
-    assert e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--quiet", "--mhc-variant", "ieee_s16",
+    assert e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--quiet", "--mhc-variant", "ieee_s112",
                          "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["kernel_variants"]["mhc"] == "ieee_s16" == doc["kernel_variants"]["mhc_head"]
+    assert doc["kernel_variants"]["mhc"] == "ieee_s112" == doc["kernel_variants"]["mhc_head"]
     assert doc["reports"][0]["bitwise_equal"]

@@ -297,6 +297,21 @@ def test_triton_hc_head_matches_reference_and_victim(seeded):
 
 # ------------------------------------------------------------------ split-K variants (opt-in)
 
+# configurations outside the registry, built as PrenormVariant objects (the variant= argument takes them):
+# other split counts and the 3-pass TF32 precision, so the CPU tests cover more than the shipped names
+TEST_ONLY_VARIANTS = {
+    "ieee_s16": mhc.PrenormVariant("ieee_s16", 16, "ieee", block_m=16),
+    "tf32_s32": mhc.PrenormVariant("tf32_s32", 32, "tf32", warps=8),
+    "bf16x3_s16": mhc.PrenormVariant("bf16x3_s16", 16, "bf16x3", warps=8),
+    "tf32x3_s32": mhc.PrenormVariant("tf32x3_s32", 32, "tf32x3", warps=8),
+}
+
+
+def _tv(name):
+    """A variant by name: the registry's, else one of TEST_ONLY_VARIANTS."""
+    return mhc.VARIANTS.get(name) or TEST_ONLY_VARIANTS[name]
+
+
 # variants exercised on the interpreter: one per precision, split counts that differ at K = 2048
 CPU_VARIANTS = ("ieee_s16", "tf32_s32", "bf16x3_s112", "tf32x3_s32")
 PRE_KW = dict(rms_eps=ref.RMS_EPS, hc_pre_eps=ref.HC_EPS, hc_sinkhorn_eps=ref.HC_EPS,
@@ -314,7 +329,7 @@ def test_variant_registry_split_counts():
             assert S * bps == nblocks and 1 <= S <= max(v.splits, 1), (name, H, S, bps)
     # DeepSeek-V4 (H 7168): the requested counts are used exactly; H 4096 rounds to whole blocks
     assert mhc.variant_splits(4 * 7168, "tf32_s112") == (112, 4)
-    assert mhc.variant_splits(4 * 7168, "bf16x3_s16") == (16, 28)
+    assert mhc.variant_splits(4 * 7168, _tv("bf16x3_s16")) == (16, 28)
     assert mhc.variant_splits(4 * 4096, "bf16x3_s112") == (64, 4)
     with pytest.raises(ValueError, match="unknown variant"):
         mhc.variant_splits(1024, "tf32_s7")
@@ -352,8 +367,8 @@ def test_bf16x3_weight_split_is_exact(seeded):
 
 
 def _variant_run(name, res, fn, scale, base):
-    out = mhc.mhc_pre(res, fn, scale, base, backend="triton", variant=name, **PRE_KW)
-    mix, sq = mhc.prenorm_gemm_splitk(res, fn, name)
+    out = mhc.mhc_pre(res, fn, scale, base, backend="triton", variant=_tv(name), **PRE_KW)
+    mix, sq = mhc.prenorm_gemm_splitk(res, fn, _tv(name))
     return out, mix, sq
 
 
@@ -365,7 +380,7 @@ def test_triton_variant_victim_in_batch(seeded, name):
     fn, scale, base = _weights(g, H)
     victim = _streams(g, 1, H, adversarial=False)
     (alone, mix_a, sq_a) = _variant_run(name, victim, fn, scale, base)
-    S, _ = mhc.variant_splits(N_HC * H, name)
+    S, _ = mhc.variant_splits(N_HC * H, _tv(name))
     assert mix_a.shape == (S, 1, NM) and sq_a.shape == (S, 1)
     # close to the float64 reference (the interpreter computes tf32 / bf16 products in fp32)
     r = ref.mhc_pre_ref(victim, fn, scale, base, sinkhorn_iters=3)
@@ -384,7 +399,7 @@ def test_triton_variant_victim_in_batch(seeded, name):
         for T, pos in ((17, 16 * rnd), (65, 64 - 33 * rnd)):  # 65: two row blocks of 64 (ieee: 5 of 16)
             batch = _streams(g, T, H)
             batch[pos] = victim[0]
-            mix, sq = mhc.prenorm_gemm_splitk(batch, fn, name)
+            mix, sq = mhc.prenorm_gemm_splitk(batch, fn, _tv(name))
             _assert_rows_equal(mix[:, pos], mix_a[:, 0], f"{name} partials at {pos} of T={T}, round {rnd}")
             _assert_rows_equal(sq[:, pos], sq_a[:, 0], f"{name} sqrsum partials at {pos} of T={T}, round {rnd}")
 
@@ -396,14 +411,14 @@ def test_triton_variant_negative_control_split_count_matters(seeded):
     g = seeded()
     H = 512
     fn, scale, base = _weights(g, H)
-    assert mhc.variant_splits(N_HC * H, "bf16x3_s16")[0] != mhc.variant_splits(N_HC * H, "bf16x3_s112")[0]
+    assert mhc.variant_splits(N_HC * H, _tv("bf16x3_s16"))[0] != mhc.variant_splits(N_HC * H, "bf16x3_s112")[0]
     res = _streams(g, 8, H, adversarial=False)
-    a = mhc.mhc_pre(res, fn, scale, base, backend="triton", variant="bf16x3_s16", **PRE_KW)
+    a = mhc.mhc_pre(res, fn, scale, base, backend="triton", variant=_tv("bf16x3_s16"), **PRE_KW)
     b = mhc.mhc_pre(res, fn, scale, base, backend="triton", variant="bf16x3_s112", **PRE_KW)
     n_diff = sum((x != y).sum().item() for x, y in zip(a, b))
     assert n_diff > 0, "negative control failed: 16 and 32 splits gave identical bits"
-    # and the default path (split 1) differs from a split-K variant on the same tokens
-    d = mhc.mhc_pre(res, fn, scale, base, backend="triton", **PRE_KW)
+    # and the split-1 path differs from a split-K variant on the same tokens
+    d = mhc.mhc_pre(res, fn, scale, base, backend="triton", variant="fp32_s1", **PRE_KW)
     assert any(not torch.equal(x, y) for x, y in zip(a, d))
 
 
@@ -414,18 +429,18 @@ def test_triton_variant_ragged_k_and_small_hc(seeded):
     H = 200  # K = 800 = 12.5 blocks of 64 -> 13 blocks, one split per block
     fn, scale, base = _weights(g, H)
     res = _streams(g, 4, H)
-    assert mhc.variant_splits(N_HC * H, "bf16x3_s16") == (13, 1)
-    mix, sq = mhc.prenorm_gemm_splitk(res, fn, "bf16x3_s16")
+    assert mhc.variant_splits(N_HC * H, _tv("bf16x3_s16")) == (13, 1)
+    mix, sq = mhc.prenorm_gemm_splitk(res, fn, _tv("bf16x3_s16"))
     x = res.reshape(4, -1).double()
     assert torch.allclose(mix.double().sum(0), x @ fn.double().t(), rtol=1e-5, atol=1e-5)
     assert torch.allclose(sq.double().sum(0), (x * x).sum(-1), rtol=1e-6)
-    mix1, _ = mhc.prenorm_gemm_splitk(res[2:3].contiguous(), fn, "bf16x3_s16")
+    mix1, _ = mhc.prenorm_gemm_splitk(res[2:3].contiguous(), fn, _tv("bf16x3_s16"))
     _assert_rows_equal(mix[:, 2], mix1[:, 0], "ragged-K partials: victim at 2 of T=4")
     n2 = 2
     res2 = res[:, :n2].contiguous()
     fn2 = fn[: ref.n_mix(n2), : n2 * H].contiguous()
     li, post, comb = mhc.mhc_pre(res2, fn2, scale, base[: ref.n_mix(n2)].contiguous(), backend="triton",
-                                 variant="tf32_s32", **PRE_KW)
+                                 variant=_tv("tf32_s32"), **PRE_KW)
     r = ref.mhc_pre_ref(res2, fn2, scale, base[: ref.n_mix(n2)].contiguous(), sinkhorn_iters=3)
     assert torch.allclose(post, r[1], rtol=2e-6, atol=1e-6) and torch.allclose(comb, r[2], rtol=2e-5, atol=1e-6)
 
@@ -737,8 +752,7 @@ def test_gpu_variant_victim_in_batch_accuracy_and_control(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["ieee_s112", "tf32_s112", "bf16x3_s32", "bf16x3_s112", "tf32x3_s32",
-                                  "bf16x3_s112_e1"])
+@pytest.mark.parametrize("name", GPU_VARIANTS)
 def test_gpu_hc_head_variant_victim(name):
     H = 7168
     g = torch.Generator().manual_seed(22)
