@@ -77,6 +77,12 @@ QUICK_SWEEP = ("ieee_s112", "tf32_s112", "bf16x3_s32", "bf16x3_s112", "bf16x3_s1
 HEAD_SWEEP = ("bf16x3_s112_e1", "bf16x3_s112", "tf32_s112", "bf16x3_s32", "ieee_s112")
 
 
+def _ordered_bf16(t):
+    """bf16 bit patterns as integers in value order (+0 and -0 both 0): differences count ulps, also across 0."""
+    b = t.view(torch.int16).int()
+    return torch.where(b < 0, -(b & 0x7FFF), b)
+
+
 def _accuracy(res, fn, scale, base, name):
     """Projection error and output error of a variant on the first <= 256 tokens (float64 reference)."""
     r = res[:256].contiguous()
@@ -87,7 +93,7 @@ def _accuracy(res, fn, scale, base, name):
     proj_err = ((mix.double().sum(0) - exact).abs() / mag).max().item()
     li, post, comb = mhc.mhc_pre(r, fn, scale, base, variant=name, **KW)
     li_r, post_r, comb_r = ref.mhc_pre_ref(r, fn, scale, base, **KW)
-    ulp = (li.view(torch.int16).int() - li_r.view(torch.int16).int()).abs().max().item()
+    ulp = (_ordered_bf16(li) - _ordered_bf16(li_r)).abs().max().item()
     return dict(proj_err=float(f"{proj_err:.3g}"), comb_err=float(f"{(comb - comb_r).abs().max().item():.3g}"),
                 post_err=float(f"{(post - post_r).abs().max().item():.3g}"), li_max_ulp=ulp)
 
