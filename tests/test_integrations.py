@@ -577,6 +577,91 @@ def test_vllm_rms_norm(seeded):
         zv.rms_norm(x.float(), w, 1e-6)
 
 
+# ------------------------------------------------------------------------------------------ vLLM mHC
+def _mhc_case(g, T=6, n=4, H=64):
+    from zerodiff.reference import mhc as mref
+
+    res = (torch.randn(T, n, H, generator=g) * 2).to(torch.bfloat16)
+    res[0, 1, :3] = torch.tensor([0.0, -0.0, 1e-40])  # signed zeros and a denormal in the streams
+    fn = torch.randn(mref.n_mix(n), n * H, generator=g) * 0.05
+    scale = torch.tensor([1.5, 0.5, 0.25])
+    base = torch.randn(mref.n_mix(n), generator=g) * 0.1
+    return res, fn, scale, base
+
+
+MHC_ARGS = (1e-6, 1e-6, 1e-6, 2.0, 20)  # rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat
+
+
+def test_vllm_mhc_adapters_are_the_zerodiff_ops(seeded):
+    """Each of the five DeepSeek-V4 entry points equals the zerodiff op (composition) the training side runs."""
+    from zerodiff.ops import mhc as zmhc
+
+    g = seeded()
+    res, fn, scale, base = _mhc_case(g)
+    T, n, H = res.shape
+    kw = dict(rms_eps=1e-6, hc_pre_eps=1e-6, hc_sinkhorn_eps=1e-6, hc_post_mult=2.0, sinkhorn_iters=20)
+    li, post, comb = zmhc.mhc_pre(res, fn, scale, base, **kw)
+    p, c, x = zv.mhc_pre(res, fn, scale, base, *MHC_ARGS, n_splits=7)  # upstream's n_splits is ignored
+    assert p.shape == (T, n, 1) and c.shape == (T, n, n) and x.shape == (T, H)
+    assert torch.equal(p[..., 0], post) and torch.equal(c, comb) and torch.equal(x, li)
+    # leading dims [2, 3, n, H] as upstream's (..., hc_mult, hidden) contract
+    p4, c4, x4 = zv.mhc_pre(res.reshape(2, 3, n, H), fn, scale, base, *MHC_ARGS)
+    assert p4.shape == (2, 3, n, 1) and torch.equal(x4.reshape(T, H), li)
+    # fused RMSNorm = zerodiff's rms_norm of the layer input
+    w = (1 + 0.1 * torch.randn(H, generator=g)).to(torch.bfloat16)
+    _, _, xn = zv.mhc_pre(res, fn, scale, base, *MHC_ARGS, norm_weight=w, norm_eps=1e-5)
+    assert torch.equal(xn, zv.rms_norm(li, w, 1e-5)) and not torch.equal(xn, li)
+    # post, fused post+pre, broadcast, head
+    y = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    new = zv.mhc_post(y, res, p, c)
+    assert torch.equal(new, zmhc.mhc_post(y, res, post, comb))
+    r2, p2, c2, x2 = zv.mhc_fused_post_pre(y, res, p, c, fn, scale, base, *MHC_ARGS, norm_weight=w)
+    q = zmhc.mhc_pre(new, fn, scale, base, **kw)
+    assert torch.equal(r2, new) and torch.equal(p2[..., 0], q[1]) and torch.equal(c2, q[2])
+    assert torch.equal(x2, zv.rms_norm(q[0], w, 1e-6))
+    rb, pb, cb, xb = zv.mhc_pre_broadcast(y, fn, scale, base, *MHC_ARGS, norm_weight=w,
+                                          fn_broadcast=torch.full((fn.shape[0], H), float("nan")))
+    q = zmhc.mhc_pre(y.unsqueeze(1).repeat(1, n, 1), fn, scale, base, **kw)
+    assert all(torch.equal(rb[:, i], y) for i in range(n))  # exact copies; upstream's fn_broadcast unused
+    assert torch.equal(pb[..., 0], q[1]) and torch.equal(xb, zv.rms_norm(q[0], w, 1e-6))
+    hs, hb = torch.tensor([0.7]), base[:n].contiguous()
+    assert torch.equal(zv.hc_head(res, fn[:n].contiguous(), hs, hb, 1e-6, 1e-6),
+                       zmhc.hc_head(res, fn[:n].contiguous(), hs, hb, rms_eps=1e-6, hc_eps=1e-6))
+
+
+def test_vllm_mhc_victim_in_batch_and_stock_control(seeded):
+    """A token's mHC outputs through the adapter do not depend on the batch; the stock-style split chosen
+    from the token count (what vLLM's TileLang path does) gives the same token other bits at T = 5000."""
+    from zerodiff.ops import mhc as zmhc
+
+    g = seeded()
+    res, fn, scale, base = _mhc_case(g, T=1, H=256)
+    alone = zv.mhc_pre(res, fn, scale, base, *MHC_ARGS)
+    for rnd in range(2):
+        for T in (2, 17, 64, 129):
+            batch, _, _, _ = _mhc_case(g, T=T, H=256)
+            pos = (T // 3 + rnd) % T
+            batch[pos] = res[0]
+            got = zv.mhc_pre(batch, fn, scale, base, *MHC_ARGS)
+            assert all(torch.equal(a[pos], b[0]) for a, b in zip(got, alone)), f"T={T} pos={pos}"
+    big, _, _, _ = _mhc_case(g, T=5000, H=256)
+    big[1234] = res[0]
+    skw = dict(n_sms=132, gemm="torch", epilogue="torch", rms_eps=1e-6, hc_pre_eps=1e-6, hc_sinkhorn_eps=1e-6,
+               hc_post_mult=2.0, sinkhorn_iters=20)
+    a = zmhc.mhc_pre_split_baseline(res, fn, scale, base, **skw)
+    b = zmhc.mhc_pre_split_baseline(big, fn, scale, base, **skw)
+    assert any(not torch.equal(x[0], y[1234]) for x, y in zip(a, b)), "stock control did not differ"
+
+
+def test_vllm_mhc_refuses_non_bf16(seeded):
+    g = seeded()
+    res, fn, scale, base = _mhc_case(g)
+    with pytest.raises(ConfigError, match="mHC .*bfloat16"):
+        zv.mhc_pre(res.float(), fn, scale, base, *MHC_ARGS)
+    with pytest.raises(ConfigError, match="broadcast"):
+        zv.mhc_pre_broadcast(res[:, 0].float(), fn, scale, base, *MHC_ARGS)
+
+
 def test_vllm_custom_ops_trace_with_fake_tensors(seeded):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -587,6 +672,13 @@ def test_vllm_custom_ops_trace_with_fake_tensors(seeded):
         assert torch.ops.zerodiff_vllm.router_logits(x, w).shape == (7, 8)
         y, r = torch.ops.zerodiff_vllm.rms_norm_residual(x, x, torch.empty(64), 1e-6)
         assert y.shape == r.shape == (7, 64)
+        res = torch.empty(7, 4, 64, dtype=torch.bfloat16)
+        li, post, comb = torch.ops.zerodiff_vllm.mhc_pre(res, torch.empty(24, 256), torch.empty(3), torch.empty(24),
+                                                         1e-6, 1e-6, 1e-6, 2.0, 20)
+        assert li.shape == (7, 64) and post.shape == (7, 4) and comb.shape == (7, 4, 4)
+        assert torch.ops.zerodiff_vllm.mhc_post(x, res, post, comb).shape == (7, 4, 64)
+        assert torch.ops.zerodiff_vllm.hc_head(res, torch.empty(4, 256), torch.empty(1), torch.empty(4),
+                                               1e-6, 1e-6).shape == (7, 64)
 
 
 def test_vllm_sampled_logprobs(seeded):
