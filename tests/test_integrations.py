@@ -848,6 +848,54 @@ def test_gpu_custom_ops_under_torch_compile_and_victim_rows():
 
 
 @pytest.mark.gpu
+def test_gpu_mhc_adapters_under_torch_compile_and_victim_rows():
+    """vLLM's DeepSeek-V4 mHC seam through the adapters (fused post+pre with the fused norm, then the head):
+    eager == torch.compile(fullgraph) and a token's outputs alone == inside any batch; negative control: the
+    stock-style split chosen from T changes the token (DeepGEMM TF32 GEMM where available)."""
+    from zerodiff.ops import mhc as zmhc
+    from zerodiff.reference import mhc as mref
+
+    g = _cuda_gen(3)
+    n, H = 4, 4096
+    fn = torch.randn(mref.n_mix(n), n * H, device="cuda", generator=g) * 0.01
+    scale = torch.rand(3, device="cuda", generator=g) + 0.5
+    base = torch.randn(mref.n_mix(n), device="cuda", generator=g) * 0.1
+    wn = (1 + 0.1 * torch.randn(H, device="cuda", generator=g)).bfloat16()
+    hfn, hs, hb = fn[:n].contiguous(), scale[:1].contiguous(), base[:n].contiguous()
+
+    def f(x, res, post, comb):
+        r, p, c, li = zv.mhc_fused_post_pre(x, res, post, comb, fn, scale, base, *MHC_ARGS, norm_weight=wn)
+        return r, p, c, li, zv.hc_head(r, hfn, hs, hb, 1e-6, 1e-6)
+
+    cf = torch.compile(f, fullgraph=True, dynamic=True)
+
+    def case(T):
+        res = torch.randn(T, n, H, device="cuda", generator=g).bfloat16()
+        x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+        post = torch.rand(T, n, 1, device="cuda", generator=g) * 2
+        comb = torch.softmax(torch.randn(T, n, n, device="cuda", generator=g), -1)
+        return x, res, post, comb
+
+    victim = case(1)
+    alone = f(*victim)
+    for rnd in range(2):
+        for T in (2, 15, 16, 17, 64, 65, 128, 1024):
+            pos = (T // 3 + rnd) % T
+            batch = case(T)
+            for b, v in zip(batch, victim):
+                b[pos] = v[0]
+            for out in (f(*batch), cf(*batch)):
+                for name, o, a in zip(("residual", "post", "comb", "layer_input", "head"), out, alone):
+                    assert torch.equal(o[pos:pos + 1], a), (name, T, pos, rnd)
+    big = torch.randn(5000, n, H, device="cuda", generator=g).bfloat16()
+    big[1234] = victim[1][0]
+    skw = dict(rms_eps=1e-6, hc_pre_eps=1e-6, hc_sinkhorn_eps=1e-6, hc_post_mult=2.0, sinkhorn_iters=20)
+    a = zmhc.mhc_pre_split_baseline(victim[1], fn, scale, base, **skw)
+    b = zmhc.mhc_pre_split_baseline(big, fn, scale, base, **skw)
+    assert any(not torch.equal(x[0], y[1234]) for x, y in zip(a, b)), "stock split control did not differ"
+
+
+@pytest.mark.gpu
 def test_gpu_act_scale_layout_matches_deepgemm():
     from zerodiff import backends
 
