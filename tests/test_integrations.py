@@ -589,7 +589,9 @@ def _mhc_case(g, T=6, n=4, H=64):
     return res, fn, scale, base
 
 
-MHC_ARGS = (1e-6, 1e-6, 1e-6, 2.0, 20)  # rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat
+# rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat: distinct values, so a swapped
+# argument in an adapter shows
+MHC_ARGS = (1e-6, 0.01, 0.002, 2.0, 20)
 
 
 def test_vllm_mhc_adapters_are_the_zerodiff_ops(seeded):
@@ -599,7 +601,7 @@ def test_vllm_mhc_adapters_are_the_zerodiff_ops(seeded):
     g = seeded()
     res, fn, scale, base = _mhc_case(g)
     T, n, H = res.shape
-    kw = dict(rms_eps=1e-6, hc_pre_eps=1e-6, hc_sinkhorn_eps=1e-6, hc_post_mult=2.0, sinkhorn_iters=20)
+    kw = dict(rms_eps=1e-6, hc_pre_eps=0.01, hc_sinkhorn_eps=0.002, hc_post_mult=2.0, sinkhorn_iters=20)
     li, post, comb = zmhc.mhc_pre(res, fn, scale, base, **kw)
     p, c, x = zv.mhc_pre(res, fn, scale, base, *MHC_ARGS, n_splits=7)  # upstream's n_splits is ignored
     assert p.shape == (T, n, 1) and c.shape == (T, n, n) and x.shape == (T, H)
@@ -651,6 +653,30 @@ def test_vllm_mhc_victim_in_batch_and_stock_control(seeded):
     a = zmhc.mhc_pre_split_baseline(res, fn, scale, base, **skw)
     b = zmhc.mhc_pre_split_baseline(big, fn, scale, base, **skw)
     assert any(not torch.equal(x[0], y[1234]) for x, y in zip(a, b)), "stock control did not differ"
+
+
+_VLLM_MHC_TORCH = REPO / "build" / "sources" / "vllm" / "vllm" / "model_executor" / "kernels" / "mhc" / "torch.py"
+
+
+@pytest.mark.skipif(not _VLLM_MHC_TORCH.exists(), reason="needs the pinned vLLM tree (make sources)")
+def test_vllm_mhc_adapters_match_upstream_torch_semantics(seeded):
+    """Argument mapping against vLLM's own pure-torch mHC (loaded from the pinned tree, not copied): same
+    outputs up to rounding (post / comb within 1e-6, layer input and post block within one bf16 step)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_mhc_torch", _VLLM_MHC_TORCH)
+    up = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(up)
+    g = seeded()
+    res, fn, scale, base = _mhc_case(g, T=7, H=128)
+    p, c, li = zv.mhc_pre(res, fn, scale, base, *MHC_ARGS)
+    up_p, up_c, up_li = up.mhc_pre_torch(res, fn, scale, base, *MHC_ARGS)
+    assert p.shape == up_p.shape and c.shape == up_c.shape and li.shape == up_li.shape
+    assert (p - up_p).abs().max() < 1e-6 and (c - up_c).abs().max() < 1e-6
+    assert (li.float() - up_li.float()).abs().max() <= 2 ** -7 * up_li.float().abs().max()
+    x = torch.randn(7, 128, generator=g).to(torch.bfloat16)
+    ours, theirs = zv.mhc_post(x, res, up_p, up_c).float(), up.mhc_post_torch(x, res, up_p, up_c).float()
+    assert ((ours - theirs).abs() <= 2 ** -7 * theirs.abs()).all()  # at most one bf16 rounding step apart
 
 
 def test_vllm_mhc_refuses_non_bf16(seeded):
