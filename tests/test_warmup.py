@@ -117,3 +117,23 @@ def test_doctor_reports_the_deepgemm_jit_cache(tmp_path, monkeypatch):
     r = doctor.collect()
     r["backends"] = dict(r["backends"], deepgemm={"available": True, "detail": "test"})
     assert "JIT cache" in doctor.render(r) and "zerodiff warmup" in doctor.render(r)
+
+
+def test_doctor_reports_the_triton_cache_and_kernel_configuration(tmp_path, monkeypatch):
+    from zerodiff import doctor
+    from zerodiff.ops import mhc, topk
+
+    for i, files in enumerate((["k.cubin", "k.json"], ["k.json"], ["k.cubin"])):
+        d = tmp_path / f"key{i}"
+        d.mkdir()
+        for f in files:
+            (d / f).write_text("x")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    r = doctor.collect()
+    assert r["triton_cache"] == {"path": str(tmp_path), "kernels": 2, "from_env": True}  # entries with a binary
+    assert r["kernel_configuration"] == {"mhc": mhc.DEFAULT_VARIANT, "mhc_head": mhc.DEFAULT_HEAD_VARIANT,
+                                         "topk": topk.VARIANT}
+    text = doctor.render(r)
+    assert f"mHC {mhc.DEFAULT_VARIANT}" in text and f"DSA Top-K {topk.VARIANT}" in text
+    if r["triton"]["available"]:
+        assert "2 compiled kernel(s)" in text

@@ -88,6 +88,26 @@ def _deepgemm_cache_info() -> dict:
     return {"path": path, "kernels": n, "from_env": bool(os.environ.get("DG_JIT_CACHE_DIR"))}
 
 
+def _triton_cache_info() -> dict:
+    """Where Triton keeps compiled kernels and how many are there (the GPU scripts carry it between machines)."""
+    import os
+
+    path = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        n = sum(1 for d in os.scandir(path)
+                if d.is_dir() and any(f.endswith((".cubin", ".hsaco")) for f in os.listdir(d.path)))
+    except OSError:
+        n = 0
+    return {"path": path, "kernels": n, "from_env": bool(os.environ.get("TRITON_CACHE_DIR"))}
+
+
+def _kernel_configuration() -> dict:
+    """The shipped kernel choices both sides read (see README "Kernel configurations")."""
+    from .ops import mhc, topk
+
+    return {"mhc": mhc.DEFAULT_VARIANT, "mhc_head": mhc.DEFAULT_HEAD_VARIANT, "topk": topk.VARIANT}
+
+
 def collect() -> dict:
     from . import __version__, backends
 
@@ -105,6 +125,8 @@ def collect() -> dict:
         "backends": be,
         "pins": _pins_info(),
         "deepgemm_jit_cache": _deepgemm_cache_info(),
+        "triton_cache": _triton_cache_info(),
+        "kernel_configuration": _kernel_configuration(),
         "consistency_mode": {"can_run": answer, "reason": why},
     }
 
@@ -145,6 +167,12 @@ def render(r: dict) -> str:
     if dg is not None and be.get("deepgemm", {}).get("available"):
         hint = "" if dg["kernels"] else " (empty: `zerodiff warmup` compiles a preset's kernels ahead)"
         lines.append(f"deepgemm    JIT cache {dg['path']}: {dg['kernels']} compiled kernel(s){hint}")
+    tc = r.get("triton_cache")
+    if tc is not None and tr["available"]:
+        lines.append(f"triton      kernel cache {tc['path']}: {tc['kernels']} compiled kernel(s)")
+    kc = r.get("kernel_configuration")
+    if kc is not None:
+        lines.append(f"kernels     mHC {kc['mhc']} (head {kc['mhc_head']}), DSA Top-K {kc['topk']}")
     p = r["pins"]
     lines.append(f"pins        {p['path']}")
     if "error" in p:
