@@ -110,7 +110,7 @@ def test_perf_session_times_every_variant_and_never_shares_a_timed_gpu(tmp_path,
                                                      "triton-cache-h200.tar.gz"]
     calls = _calls(tmp_path)
     bench = [c for c in calls if "e2e_cli bench" in c[1]]
-    assert len(bench) == 4  # shipped, two mHC variants, Top-K split
+    assert len(bench) == 4  # shipped, two mHC variants, the other Top-K design
     assert sum("--mhc-variant ieee_s112" in a for _, a in bench) == 1
     assert sum("--mhc-variant bf16x3_s32" in a for _, a in bench) == 1
     sweeps = [c for c in calls if "benchmarks/bench_" in c[1]]
@@ -118,7 +118,7 @@ def test_perf_session_times_every_variant_and_never_shares_a_timed_gpu(tmp_path,
                                                  "benchmarks/bench_sparse_attention.py"}
     assert any("--hidden 2048" in a for _, a in sweeps)
     with tarfile.open(out / "e2e.tar.gz") as t:
-        topk = json.load(t.extractfile("e2e/topk-split.json"))
+        topk = json.load(t.extractfile("e2e/topk-single.json"))
     assert topk["ratio"] == 0.9
     warm = [c for c in calls if "e2e_cli warmup" in c[1]]
     timed = sweeps + bench
@@ -135,7 +135,7 @@ def test_perf_session_times_every_variant_and_never_shares_a_timed_gpu(tmp_path,
         assert _first(calls, "WARMUP-DONE") < _first(calls, "benchmarks/bench_")
         assert min(i for i, _ in tests) > max(last_bench, last_sweep)
     text = (out / "summary.txt").read_text()
-    assert "mhc-ieee_s112: ratio 0.9" in text and "topk-split: ratio 0.9" in text
+    assert "mhc-ieee_s112: ratio 0.9" in text and "topk-single: ratio 0.9" in text
 
 
 def _fake_triton_cache(cache: Path) -> None:
