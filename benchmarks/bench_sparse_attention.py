@@ -28,7 +28,11 @@ prefill (T rows of one request, each attending to its own causal top-k):
 --aot (no GPU needed): compiles the split kernels for sm_90a and sm_100a with Triton's AOT path and prints
   registers / spill stack / shared memory per config (how the shipped config was chosen: no spills).
 
-Usage: python benchmarks/bench_sparse_attention.py --json out.json [--quick] [--sweep]
+--flashmla-fp8: only FlashMLA's FP8 decode kernel under zerodiff's fixed schedule (``backend="flashmla_fp8"``, rows
+  "decode_flashmla_fp8[S=pieces]" with the kernel alone in kernel_ms, and "prefill_flashmla_fp8") against the same
+  kernel under its own batch-dependent scheduler.
+
+Usage: python benchmarks/bench_sparse_attention.py --json out.json [--quick] [--sweep] [--flashmla-fp8]
        (the next GPU session: --json sa_sweep.json --quick --sweep, under 90 s; full: --json sa.json --sweep)
        python benchmarks/bench_sparse_attention.py --aot [--sweep]
 """
@@ -359,6 +363,93 @@ def bench_prefill(ctx, T, k, reps, rows):
                     ours_vs_workspace=round(o_ms / w_ms, 4) if w_ms > 0 else None, errors=err or None))
 
 
+FP8_STOCK = "flash_mla_with_kvcache (FlashMLA FP8 sparse decode, its own batch-dependent schedule)"
+
+
+def bench_flashmla_fp8(B, ctx, k, reps, rows, heads=H):
+    """FlashMLA's FP8 decode kernel under zerodiff's fixed schedule (``backend="flashmla_fp8"``) vs the same
+    kernel under its own scheduler, same inputs. ours = translate positions + kernel + NaN guard (the whole
+    path); kernel_ms = the kernel alone on translated indices; pieces = segments_per_row (1 = shipped)."""
+    from zerodiff.ops import flashmla_fp8_decode as fd
+
+    fm = backends.flash_mla()
+    cache, bt = make_cache(B, ctx)
+    pos = make_topk(B, ctx, k)
+    req = torch.arange(B, dtype=torch.int32, device="cuda")
+    q = (torch.randn(B, heads, DQK, device="cuda") * 0.5).to(torch.bfloat16)
+    sc = 1.0 / math.sqrt(DQK)
+    slots = slots_of(bt, pos, req)
+    err: dict = {}
+    stock_ms = safe_ms(stock_decode_fn(fm, q, cache, slots, sc), err, "stock", rep=reps)
+    _op = fd._flashmla()[1]
+    parts = fd.num_sm_parts(heads, DQK)
+    kc4 = cache.view(cache.shape[0], cache.shape[1], 1, cache.shape[2])
+    idx4 = slots[:, None].contiguous()
+    out4 = torch.empty(B, 1, heads, DV, dtype=torch.bfloat16, device="cuda")
+    shape = f"B={B} ctx={ctx} topk={k} H={heads}"
+    for S in (1, 2, 4):
+        e2: dict = {}
+
+        def ours(S=S):
+            return fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos, sc, check=False, segments_per_row=S)
+
+        o_ms = safe_ms(ours, e2, "ours", rep=reps)
+        kern = float("nan")
+        if B <= fd.rows_per_launch(parts, S):
+            meta, splits = fd.fixed_schedule(B, parts, k // fd.TOPK_BLOCK, S, "cuda")
+
+            def kernel(meta=meta, splits=splits):
+                return _op(q[:, None], kc4, idx4, None, None, meta, splits, None, None, None, DV, sc, out4, False)
+
+            kern = safe_ms(kernel, e2, "kernel", rep=reps)
+        rows.append(row(f"decode_flashmla_fp8[S={S}]", shape, o_ms, stock_ms, FP8_STOCK, kernel_ms=_r(kern),
+                        num_sm_parts=parts, errors={**err, **e2} or None))
+    del cache
+    torch.cuda.empty_cache()
+
+
+def bench_prefill_flashmla_fp8(ctx, T, k, reps, rows):
+    """Prefill rows through the same fixed-schedule decode kernel vs vLLM-style prefill (torch dequant +
+    flash_mla_sparse_fwd) and our workspace path, same inputs."""
+    fm = backends.flash_mla()
+    cache, bt = make_cache(1, ctx, gen_seed=1)
+    base = make_topk(1, ctx, k)[0]
+    lim = ctx - T + torch.arange(T, device="cuda")
+    skip = (base[None, :] > lim[:, None]).sum(1)
+    j = torch.arange(k, device="cuda")[None, :] + skip[:, None]
+    pos = torch.where(j < k, base[j.clamp(max=k - 1)], torch.full_like(j, -1)).to(torch.int32)
+    req = torch.zeros(T, dtype=torch.int32, device="cuda")
+    q = (torch.randn(T, H, DQK, device="cuda") * 0.5).to(torch.bfloat16)
+    sc = 1.0 / math.sqrt(DQK)
+    lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+    slots = slots_of(bt, torch.arange(ctx, dtype=torch.int32, device="cuda")[None], req[:1])[0].long()
+    flat = cache.view(-1, 656)
+
+    def stock():
+        rows_ = flat[slots]
+        codes = rows_[:, :512].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+        scale = rows_[:, 512:528].contiguous().view(torch.float32)
+        nope = (codes.view(-1, 4, 128) * scale[..., None]).view(-1, 512).to(torch.bfloat16)
+        kv = torch.cat([nope, rows_[:, 528:].contiguous().view(torch.bfloat16)], 1)
+        return fm.flash_mla_sparse_fwd(q, kv[:, None], pos[:, None], sc, DV)
+
+    def ours():
+        return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="flashmla_fp8")
+
+    def workspace():
+        return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="flashmla",
+                                       workspace="per_request", seq_lens=lens)
+
+    err: dict = {}
+    s_ms = safe_ms(stock, err, "stock", rep=reps)
+    o_ms = safe_ms(ours, err, "ours", rep=reps)
+    w_ms = safe_ms(workspace, err, "workspace", rep=reps)
+    rows.append(row("prefill_flashmla_fp8", f"T={T} ctx={ctx} topk={k}", o_ms, s_ms,
+                    "torch dequant + flash_mla_sparse_fwd (vLLM-style prefill)",
+                    workspace_ms=_r(w_ms), ours_vs_workspace=round(o_ms / w_ms, 4) if w_ms > 0 else None,
+                    errors=err or None))
+
+
 def aot_report(configs):
     """Compile the split kernels ahead of time for SM90 / SM100 (no GPU) and read register and spill use."""
     import triton
@@ -414,6 +505,9 @@ def main():
     p = parser(__doc__)
     p.add_argument("--sweep", action="store_true", help="also time alternative split configs (exploration)")
     p.add_argument("--aot", action="store_true", help="AOT-compile the split kernels (no GPU): registers/spills")
+    p.add_argument("--flashmla-fp8", action="store_true",
+                   help="only the fixed-schedule FlashMLA FP8 path (backend='flashmla_fp8') vs stock: decode "
+                        "B 1-256 at 8K and 32K, 128 heads, pieces per row 1/2/4, prefill T 1024/4096")
     args = p.parse_args()
     if args.aot:
         base = sa.split_config(DV, DQK - DV)
@@ -430,6 +524,18 @@ def main():
         raise SystemExit(f"FlashMLA not importable: {backends.status()['flashmla']['detail']}")
     rows: list[dict] = []
     k = 2048
+    if args.flashmla_fp8:
+        reps = 20 if args.quick else 30
+        for B in (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256):
+            bench_flashmla_fp8(B, 8192, k, reps, rows)
+        for B in (1, 64, 128, 256):
+            bench_flashmla_fp8(B, 32768, k, reps, rows)
+        for B in (1, 64, 128):
+            bench_flashmla_fp8(B, 8192, k, reps, rows, heads=128)
+        for T in (1024, 4096):
+            bench_prefill_flashmla_fp8(8192, T, k, reps, rows)
+        write(args.json, "sparse_attention", rows)
+        return
     if args.quick:
         decode_shapes = [(1, 8192), (64, 8192), (128, 8192)]
         prefill_shapes = [(8192, 1024)]

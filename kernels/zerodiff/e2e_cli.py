@@ -74,6 +74,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="run mHC pre / hc_head with this zerodiff.ops.mhc.VARIANTS entry instead of the shipped "
                         "default, on BOTH sides of this process (an experiment: the bits change with the variant; "
                         "a real deployment must switch rollout and training together)")
+    p.add_argument("--attn-backend", default=None, metavar="NAME",
+                   help="run the sparse MLA read path with this zerodiff.ops.sparse_attention backend (e.g. "
+                        "flashmla_fp8: FlashMLA's FP8 decode kernel under the fixed schedule) on BOTH sides of "
+                        "this process instead of the default (an experiment: the bits change with the backend)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="write where the wall time went to FILE: every Triton compilation (per kernel) and the "
                         "top Python functions (cProfile)")
@@ -141,13 +145,20 @@ def _baseline_kernels() -> dict:
 def _kernel_variants(args) -> dict:
     """Apply ``--mhc-variant`` (validated) and return the kernel variants this process runs (for the JSON)."""
     from .ops import mhc, topk
+    from .ops import sparse_attention as sa
 
     name = getattr(args, "mhc_variant", None)
     if name is not None:
         if name not in mhc.VARIANTS:
             raise SystemExit(f"zerodiff: --mhc-variant {name!r} is not one of {sorted(mhc.VARIANTS)}")
         mhc.DEFAULT_VARIANT = mhc.DEFAULT_HEAD_VARIANT = name
-    return {"mhc": mhc.DEFAULT_VARIANT, "mhc_head": mhc.DEFAULT_HEAD_VARIANT, "topk": topk.VARIANT}
+    attn = getattr(args, "attn_backend", None)
+    if attn is not None:
+        if attn not in sa.READ_BACKENDS:
+            raise SystemExit(f"zerodiff: --attn-backend {attn!r} is not one of {list(sa.READ_BACKENDS)}")
+        sa.READ_BACKEND = attn
+    return {"mhc": mhc.DEFAULT_VARIANT, "mhc_head": mhc.DEFAULT_HEAD_VARIANT, "topk": topk.VARIANT,
+            "attention_read": sa.READ_BACKEND or "default"}
 
 
 def cmd_check(args) -> int:

@@ -30,6 +30,9 @@ Two entry points:
   d_nope=512, d_rope=64, seq_lens=None, check=True, out=None, variant=None) -> (out, lse)``, also reached as
   ``sparse_mla_attention(..., backend="triton_fp8_split")``: THE FAST consistent read path (split-index fused
   FP8 kernel; contract below). ``backend="triton_fp8"`` routes to ``sparse_mla_attention_fp8`` likewise.
+* ``sparse_mla_attention(..., backend="flashmla_fp8")``: FlashMLA's FP8 sparse decode kernel (reads the cache in
+  place) under zerodiff's batch-independent schedule, for prefill, decode and training alike
+  (``zerodiff.ops.flashmla_fp8_decode``; CUDA only, 64/128 heads, index-list width a multiple of 64).
 * ``split_config(d_nope=512, d_rope=64) -> dict``: the split kernel's fixed launch configuration for a model
   shape (BLOCK_H, BLOCK_N, CHUNK, num_warps, num_stages, MERGE_BH, merge_warps).
 * ``split_variant_config(variant="default", d_nope=512, d_rope=64) -> dict``: the configuration of a named variant
@@ -389,16 +392,33 @@ def sparse_mla_attention_fp8(q, cache, block_table, req_ids, positions, sm_scale
     return out, lse
 
 
+#: the backend ``sparse_mla_attention(backend=None)`` runs (None: the workspace path with ``sparse_attention``'s
+#: default pick). Rollout and training read the same constant; ``zerodiff check/bench --attn-backend`` sets it.
+READ_BACKEND = None
+READ_BACKENDS = ("flashmla", "triton", "reference", "triton_fp8", "triton_fp8_split", "flashmla_fp8")
+
+
 def sparse_mla_attention(q, cache, block_table, req_ids, positions, sm_scale: float, *, attn_sink=None,
                          d_nope: int = 512, d_rope: int = 64, seq_lens=None, rows_per_chunk: int = 256,
                          workspace: str = "per_row", check: bool = True, backend=None, gather_backend=None,
                          split_variant: str | None = None):
     Q = q.shape[0]
+    if backend is None:
+        backend = READ_BACKEND
     if split_variant is not None and backend != "triton_fp8_split":
         raise ValueError(f"zerodiff.sparse_attention: split_variant={split_variant!r} applies to "
                          f"backend='triton_fp8_split' only, not backend={backend!r}")
     if positions.dim() != 2 or positions.shape[0] != Q:
         raise ValueError(f"zerodiff.sparse_attention: positions must be int32 [{Q}, W], got {tuple(positions.shape)}")
+    if backend == "flashmla_fp8":
+        if workspace not in ("per_row", "per_request") or gather_backend is not None:
+            raise ValueError("zerodiff.sparse_attention: backend='flashmla_fp8' reads the FP8 cache in place; "
+                             f"workspace={workspace!r} / gather_backend={gather_backend!r} cannot apply")
+        from .flashmla_fp8_decode import sparse_mla_attention_flashmla_fp8
+
+        return sparse_mla_attention_flashmla_fp8(q, cache, block_table, req_ids, positions, sm_scale,
+                                                 attn_sink=attn_sink, d_nope=d_nope, d_rope=d_rope,
+                                                 seq_lens=seq_lens, check=check)
     if backend in ("triton_fp8_split", "triton_fp8"):
         # fused paths: read the FP8 cache directly, no workspace (rows are independent: no row chunking needed)
         if workspace not in ("per_row", "per_request"):

@@ -1,0 +1,346 @@
+"""FlashMLA's FP8 sparse decode kernel under zerodiff's fixed schedule (``zerodiff.ops.flashmla_fp8_decode``).
+
+CPU: the schedule table (every row reduced in the same pieces whatever the row count, every piece once, partial
+slots inside the kernel's buffers; a batch-scaled schedule is caught by the same check), the position
+translation kernel (interpreter) against its torch reference on adversarial positions, bad input.
+GPU (H200): agreement with the float64 reference, victim-in-batch across the CTA-count and launch boundaries,
+prefill rows == decode rows, CUDA-graph replay == eager, NaN poisoning of unresolvable rows, and negative
+controls (the stock scheduler on the same inputs, another piece count, reversed order)."""
+
+import math
+
+import pytest
+import torch
+
+from zerodiff._triton import INTERPRET
+from zerodiff.ops import flashmla_fp8_decode as fd
+from zerodiff.ops import kv_cache as kc
+from zerodiff.ops import sparse_attention as sa
+from zerodiff.reference.sparse_attention import sparse_attention_ref
+
+
+def _row_pieces(meta, splits, rows, blocks):
+    """row -> sorted list of (start_block, end_block, no_split); also checks coverage and slots."""
+    pieces = fd.schedule_pieces(meta, splits, rows, blocks)
+    per_row = {r: [] for r in range(rows)}
+    slots = []
+    for _cta, r, start, end, no_split, slot in pieces:
+        per_row[r].append((start, end, no_split))
+        if slot is not None:
+            slots.append(slot)
+    for r, ps in per_row.items():
+        ps.sort()
+        cover = [b for s, e, _ in ps for b in range(s, e)]
+        assert cover == list(range(blocks)), f"row {r} not covered exactly once: {ps}"
+        assert all(ns == (len(ps) == 1) for _s, _e, ns in ps), f"row {r}: split flags inconsistent {ps}"
+    assert len(slots) == len(set(slots)), "two pieces write the same partial slot"
+    parts = meta.shape[0]
+    assert all(0 <= s < rows + parts for s in slots), "partial slot outside the kernel's rows + CTAs buffers"
+    return per_row
+
+
+def _invariant(schedule_fn, parts, blocks, row_counts):
+    """True when every row is reduced in the same pieces for every row count."""
+    seen = None
+    for rows in row_counts:
+        meta, splits = schedule_fn(rows)
+        per_row = _row_pieces(meta, splits, rows, blocks)
+        shapes = {tuple(v) for v in per_row.values()}
+        if len(shapes) != 1:
+            return False
+        (shape,) = shapes
+        if seen is None:
+            seen = shape
+        elif shape != seen:
+            return False
+    return True
+
+
+def _batch_scaled_schedule(rows, parts, blocks):
+    """A schedule that uses every CTA by cutting each row into parts // rows pieces (what a load balancer does):
+    the control the invariance check must reject."""
+    S = max(1, min(blocks, parts // rows))
+    while blocks % S:
+        S -= 1
+    return fd.fixed_schedule(rows, parts, blocks, S, "cpu")
+
+
+@pytest.mark.parametrize("parts", [132, 66, 148])
+@pytest.mark.parametrize("S", [1, 2, 4])
+def test_schedule_pieces_do_not_depend_on_the_row_count(parts, S):
+    blocks = 32
+    cap = fd.rows_per_launch(parts, S)
+    counts = sorted({1, 2, 3, cap - 1, cap, max(1, parts - 1), parts, parts + 1, 2 * parts + 5, 1000})
+    counts = [c for c in counts if 1 <= c <= cap]
+    assert _invariant(lambda n: fd.fixed_schedule(n, parts, blocks, S, "cpu"), parts, blocks, counts)
+    # negative control: the same check rejects a schedule whose cuts follow the batch
+    assert not _invariant(lambda n: _batch_scaled_schedule(n, parts, blocks), parts, blocks, [1, 2, 3, 8])
+
+
+def test_schedule_unused_ctas_exit_and_runs_are_contiguous():
+    meta, splits = fd.fixed_schedule(5, 132, 32, 1, "cpu")
+    assert meta.dtype == torch.int32 and meta.shape == (132, fd.META_FIELDS)
+    assert torch.equal(splits, torch.arange(6, dtype=torch.int32))
+    assert bool((meta[5:, 0] == 5).all()), "unused CTAs must start past the last row (the kernel returns at once)"
+    meta, _ = fd.fixed_schedule(1000, 132, 32, 1, "cpu")
+    b, e = meta[:, 0].long(), meta[:, 1].long()
+    assert int(b[0]) == 0 and int(e[-1]) == 999 and bool((b[1:] == e[:-1] + 1).all())
+    assert int((e - b + 1).max() - (e - b + 1).min()) <= 1
+
+
+def test_schedule_bad_arguments():
+    with pytest.raises(ValueError, match="segments_per_row=3 must divide"):
+        fd.fixed_schedule(4, 132, 32, 3, "cpu")
+    with pytest.raises(ValueError, match="exceed the kernel's 132 CTAs"):
+        fd.fixed_schedule(67, 132, 32, 2, "cpu")
+    with pytest.raises(ValueError, match="rows=0"):
+        fd.fixed_schedule(0, 132, 32, 1, "cpu")
+    with pytest.raises(ValueError, match=">= 1"):
+        fd.rows_per_launch(132, 0)
+    assert fd.rows_per_launch(132, 2) == 66 and fd.rows_per_launch(132, 1) == fd.MAX_ROWS_UNSPLIT
+
+
+def _adversarial_positions(g, Q, K, max_blocks, bs):
+    pos = torch.randint(0, max_blocks * bs, (Q, K), generator=g, dtype=torch.int32)
+    pos[0, ::3] = -1
+    pos[1, 5] = -2  # invalid marker
+    pos[2, 7] = max_blocks * bs + 3  # past the table
+    pos[3, :] = -1  # empty row
+    return pos
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton translation kernel runs on the CPU only under TRITON_INTERPRET=1")
+def test_translate_kernel_matches_torch_reference(seeded):
+    g = seeded()
+    bs, nb, B, mb = 8, 40, 3, 6
+    bt = torch.randint(0, nb, (B, mb), generator=g, dtype=torch.int32)
+    bt[1, 2] = -1  # hole
+    bt[2, 4] = nb + 7  # out-of-range block id
+    Q, K = 7, 300  # K not a multiple of the kernel's 256-wide block
+    req = torch.randint(0, B, (Q,), generator=g, dtype=torch.int32)
+    pos = _adversarial_positions(g, Q, K, mb, bs)
+    pos[4, 9] = 2 * bs + 1
+    req[4] = 1  # position in the hole
+    req[0] = 0  # row 0: a table without holes, so only its -1 entries are skipped
+    got = fd.translate_positions(bt, req, pos, nb, bs)
+    ref = fd._translate_torch(bt, req, pos, nb, bs)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert ref[1].tolist()[:5] == [0, 1, 1, 0, 1]
+    ok = pos[0] >= 0
+    expect = bt.long()[req[0].long(), pos[0].long().clamp(min=0) // bs] * bs + pos[0].long().clamp(min=0) % bs
+    good = ok & (expect >= 0) & (expect < nb * bs)
+    assert torch.equal(ref[0][0][good].long(), expect[good])
+    assert bool((ref[0][3] == -1).all())
+
+
+def test_translate_torch_reference_semantics():
+    bt = torch.tensor([[4, -1, 2], [0, 1, 9]], dtype=torch.int32)
+    pos = torch.tensor([[0, 3, 5, 9, -1, 17], [23, 4, 8, -1, -1, -1]], dtype=torch.int32)
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    idx, bad = fd._translate_torch(bt, req, pos, num_blocks=5, block_size=4)
+    # row 0: 0 -> blk 4 -> 16; 3 -> 19; 5 -> hole; 9 -> blk 2 -> 9; -1; 17 -> past the table
+    assert idx.tolist() == [[16, 19, -1, 9, -1, -1], [-1, 4, -1, -1, -1, -1]]
+    assert bad.tolist() == [1, 1]  # row 1: 23 is past the table, 8 -> block id 9 >= num_blocks
+
+
+def test_bad_inputs_are_refused():
+    q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    cache = kc.new_kv_cache(4, 64)
+    bt = torch.zeros(2, 4, dtype=torch.int32)
+    req = torch.zeros(2, dtype=torch.int32)
+    pos = torch.zeros(2, 128, dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos, 0.1)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        sa.sparse_mla_attention(q, cache, bt, req, pos, 0.1, backend="flashmla_fp8")
+    with pytest.raises(ValueError, match="gather_backend"):
+        sa.sparse_mla_attention(q, cache, bt, req, pos, 0.1, backend="flashmla_fp8", gather_backend="triton")
+    with pytest.raises(ValueError, match="positions must be int32"):
+        fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos.long(), 0.1)
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+GPU_TOPK = 2048
+SC = 1 / math.sqrt(576)
+
+
+def _need():
+    from zerodiff import backends
+
+    fm = backends.flash_mla()
+    if fm is None:
+        pytest.skip(f"FlashMLA not importable: {backends.status()['flashmla']['detail']}")
+    return fm
+
+
+def _setup(nreq, ctx, H=64, topk=GPU_TOPK, seed=0, bs=64):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    nblk = (ctx + bs - 1) // bs
+    nb = nreq * nblk + 2
+    perm = torch.randperm(nb, generator=g)[: nreq * nblk].to(torch.int32)
+    bt = perm.reshape(nreq, nblk).cuda()
+    cache = kc.new_kv_cache(nb, bs, device="cuda")
+    p = torch.arange(ctx).repeat(nreq)
+    b = torch.arange(nreq).repeat_interleave(ctx)
+    slots = (bt.cpu().long()[b, p // bs] * bs + p % bs).cuda()
+    x = (torch.randn(nreq * ctx, 512, generator=g) * 3).to(torch.bfloat16).cuda()
+    x[::97, ::5] = 0.0
+    x[1::89, 3] = -0.0
+    rope = torch.randn(nreq * ctx, 64, generator=g).to(torch.bfloat16).cuda()
+    kc.write_kv_cache(x, rope, cache, slots)
+    pos = torch.stack([torch.randperm(ctx, generator=g)[:topk].sort(descending=True).values for _ in range(nreq)])
+    pos = pos.to(torch.int32).cuda()
+    q = (torch.randn(nreq, H, 576, generator=g) * 0.5).to(torch.bfloat16).cuda()
+    q[:, :, ::7] = q[:, :, 1::7][:, :, : q[:, :, ::7].shape[2]]  # repeated values (ties in the scores)
+    return cache, bt, pos, q
+
+
+def _call(q, cache, bt, req, pos, S=None, sink=None, check=True):
+    return fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos, SC, attn_sink=sink, check=check,
+                                                segments_per_row=S)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 128])
+def test_gpu_matches_reference_with_sink_and_short_lists(H):
+    _need()
+    cache, bt, pos, q = _setup(4, 4096, H=H, topk=512)
+    pos[1, 300:] = -1
+    pos[2, 1::2] = -1
+    sink = torch.linspace(-2, 2, H, device="cuda")
+    req = torch.arange(4, dtype=torch.int32, device="cuda")
+    o, l = _call(q, cache, bt, req, pos, sink=sink)
+    ws = kc.gather_kv(cache, bt, req, pos)
+    ro, rl = sparse_attention_ref(q.cpu(), ws.view(-1, 576).cpu(), kc.workspace_indices(pos).cpu(), SC,
+                                  attn_sink=sink.cpu(), return_fp64=True)
+    assert torch.allclose(o.cpu().double(), ro, atol=2e-2, rtol=2e-2)
+    assert torch.allclose(l.cpu().double(), rl, atol=1e-3, rtol=1e-4), (
+        f"lse convention differs from the natural log: got {l[0, :4].tolist()} want {rl[0, :4].tolist()}")
+    o2, _ = sa.sparse_mla_attention(q, cache, bt, req, pos, SC, attn_sink=sink, backend="flashmla_fp8")
+    assert torch.equal(o2, o), "the sparse_mla_attention route must run the same call"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1, 2])
+def test_gpu_victim_in_batch_across_cta_and_launch_boundaries(S):
+    _need()
+    npool = 150
+    cache, bt, pos, q = _setup(npool, 4096, seed=1)
+    sink = torch.linspace(-1, 1, 64, device="cuda")
+    req_all = torch.arange(npool, dtype=torch.int32, device="cuda")
+    parts = fd.num_sm_parts(64, 576)
+    cap = fd.rows_per_launch(parts, S)
+    sizes = sorted({2, 3, cap - 1, cap, cap + 1, parts - 1, parts, parts + 1, 2 * parts + 1, 300})
+    if S == 1:
+        sizes += [fd.MAX_ROWS_UNSPLIT + 3]
+    g = torch.Generator(device="cpu").manual_seed(11)
+    for victim in (0, 77):
+        alone = _call(q[victim:victim + 1], cache, bt, req_all[victim:victim + 1], pos[victim:victim + 1], S, sink)
+        for B in sizes:
+            others = torch.randint(0, npool, (B - 1,), generator=g).cuda()
+            for where in sorted({0, B // 2, B - 1}):
+                rows = torch.cat([others[:where], torch.tensor([victim], device="cuda"), others[where:]])
+                o, l = _call(q[rows], cache, bt, req_all[rows], pos[rows], S, sink)
+                assert torch.equal(o[where].view(torch.int16), alone[0][0].view(torch.int16)), (S, victim, B, where)
+                assert torch.equal(l[where], alone[1][0]), (S, victim, B, where)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_rows_equal_decode_rows_repeated():
+    _need()
+    cache, bt, pos, q = _setup(2, 8192, seed=2)
+    T = 300
+    p1 = pos[0:1].repeat(T, 1)
+    for t in range(T):  # distinct histories: drop t entries from the tail
+        if t:
+            p1[t, GPU_TOPK - t:] = -1
+    qq = (q[0:1] + torch.randn(T, 64, 576, device="cuda").to(torch.bfloat16)).contiguous()
+    req0 = torch.zeros(T, dtype=torch.int32, device="cuda")
+    pre = _call(qq, cache, bt, req0, p1)
+    for _ in range(3):
+        again = _call(qq, cache, bt, req0, p1)
+        assert torch.equal(again[0], pre[0]) and torch.equal(again[1], pre[1])
+    for c0, c1 in ((0, 7), (7, 140), (140, 300)):  # chunked prefill
+        chunk = _call(qq[c0:c1], cache, bt, req0[c0:c1], p1[c0:c1])
+        assert torch.equal(chunk[0], pre[0][c0:c1]) and torch.equal(chunk[1], pre[1][c0:c1])
+    for t in (0, 1, 131, 132, 299):  # decode: one row alone
+        d = _call(qq[t:t + 1], cache, bt, req0[:1], p1[t:t + 1])
+        assert torch.equal(d[0][0], pre[0][t]) and torch.equal(d[1][0], pre[1][t]), t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [64, 200])
+def test_gpu_cuda_graph_replay_equals_eager(B):
+    _need()
+    cache, bt, pos, q = _setup(B, 8192, seed=3)
+    req = torch.arange(B, dtype=torch.int32, device="cuda")
+    eager = _call(q, cache, bt, req, pos, check=False)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            _call(q, cache, bt, req, pos, check=False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        go, gl = _call(q, cache, bt, req, pos, check=False)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(go, eager[0]) and torch.equal(gl, eager[1])
+
+
+@pytest.mark.gpu
+def test_gpu_unresolvable_rows_fail_closed():
+    _need()
+    cache, bt, pos, q = _setup(4, 4096, seed=4)
+    req = torch.arange(4, dtype=torch.int32, device="cuda")
+    clean = _call(q, cache, bt, req, pos)
+    bt2 = bt.clone()
+    bt2[2, int(pos[2, 10]) // 64] = -1  # a hole under one of row 2's positions
+    with pytest.raises(ValueError, match="hole"):
+        _call(q, cache, bt2, req, pos)
+    o, _ = _call(q, cache, bt2, req, pos, check=False)
+    assert bool(torch.isnan(o[2].float()).all()), "a row reading a table hole must come out NaN"
+    for r in (0, 1, 3):
+        assert torch.equal(o[r], clean[0][r])
+
+
+@pytest.mark.gpu
+def test_gpu_empty_row_gives_zero_output():
+    _need()
+    cache, bt, pos, q = _setup(3, 4096, seed=6)
+    pos[1] = -1
+    req = torch.arange(3, dtype=torch.int32, device="cuda")
+    o, l = _call(q, cache, bt, req, pos)
+    assert bool((o[1].float() == 0).all()), f"empty row: out not zero (lse {l[1, :4].tolist()})"
+    assert torch.isfinite(o[0].float()).all() and torch.isfinite(o[2].float()).all()
+
+
+@pytest.mark.gpu
+def test_gpu_negative_controls_stock_schedule_other_pieces_reversed_order():
+    fm = _need()
+    B = 128
+    cache, bt, pos, q = _setup(B, 8192, seed=7)
+    req = torch.arange(B, dtype=torch.int32, device="cuda")
+    idx, _ = fd.translate_positions(bt, req, pos, cache.shape[0], cache.shape[1])
+
+    def stock(rows):
+        meta, _ = fm.get_mla_metadata()
+        o, _l = fm.flash_mla_with_kvcache(q[rows][:, None], cache.unsqueeze(-2), None, None, 512, meta,
+                                          softmax_scale=SC, is_fp8_kvcache=True, indices=idx[rows][:, None].contiguous())
+        return o[:, 0]
+
+    ours = _call(q, cache, bt, req, pos)[0]
+    diffs = []
+    for n in (16, 64, 128):
+        diffs.append(int((stock(torch.arange(n, device="cuda"))[0] != stock(torch.zeros(1, dtype=torch.long,
+                                                                                        device="cuda"))[0]).sum()))
+    assert max(diffs) > 0, f"the stock schedule did not change row 0 with the batch ({diffs}): control void"
+    alone = _call(q[:1], cache, bt, req[:1], pos[:1])[0]
+    assert torch.equal(alone[0], ours[0])
+    other = _call(q, cache, bt, req, pos, S=2)[0]
+    assert not torch.equal(other, ours), "another piece count must change bits (else pieces are not tested)"
+    assert torch.allclose(other.float(), ours.float(), atol=2e-2, rtol=2e-2)
+    rev = _call(q, cache, bt, req, pos.flip(-1).contiguous())[0]
+    assert not torch.equal(rev, ours), "reversed index order must change the output"
