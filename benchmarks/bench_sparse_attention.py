@@ -29,7 +29,7 @@ prefill (T rows of one request, each attending to its own causal top-k):
   registers / spill stack / shared memory per config (how the shipped config was chosen: no spills).
 
 --flashmla-fp8: only FlashMLA's FP8 decode kernel under zerodiff's fixed schedule (``backend="flashmla_fp8"``, rows
-  "decode_flashmla_fp8[S=pieces]" with the kernel alone in kernel_ms, and "prefill_flashmla_fp8") against the same
+  "decode_flashmla_fp8[S=pieces per row]" with the kernel alone in kernel_ms, and "prefill_flashmla_fp8[S=...]") against the same
   kernel under its own batch-dependent scheduler.
 
 Usage: python benchmarks/bench_sparse_attention.py --json out.json [--quick] [--sweep] [--flashmla-fp8]
@@ -366,10 +366,11 @@ def bench_prefill(ctx, T, k, reps, rows):
 FP8_STOCK = "flash_mla_with_kvcache (FlashMLA FP8 sparse decode, its own batch-dependent schedule)"
 
 
-def bench_flashmla_fp8(B, ctx, k, reps, rows, heads=H):
+def bench_flashmla_fp8(B, ctx, k, reps, rows, heads=H, pieces=(1, 2, 4, 8, 16)):
     """FlashMLA's FP8 decode kernel under zerodiff's fixed schedule (``backend="flashmla_fp8"``) vs the same
-    kernel under its own scheduler, same inputs. ours = translate positions + kernel + NaN guard (the whole
-    path); kernel_ms = the kernel alone on translated indices; pieces = segments_per_row (1 = shipped)."""
+    kernel under its own scheduler, same inputs. ours = translate positions + kernel + merge/finish (the whole
+    path, check=False as in graphs); kernel_ms = the decode kernel alone on translated indices; S = pieces per
+    row (``PIECES_PER_ROW`` is shipped)."""
     from zerodiff.ops import flashmla_fp8_decode as fd
 
     fm = backends.flash_mla()
@@ -382,28 +383,39 @@ def bench_flashmla_fp8(B, ctx, k, reps, rows, heads=H):
     err: dict = {}
     stock_ms = safe_ms(stock_decode_fn(fm, q, cache, slots, sc), err, "stock", rep=reps)
     _op = fd._flashmla()[1]
-    parts = fd.num_sm_parts(heads, DQK)
     kc4 = cache.view(cache.shape[0], cache.shape[1], 1, cache.shape[2])
-    idx4 = slots[:, None].contiguous()
-    out4 = torch.empty(B, 1, heads, DV, dtype=torch.bfloat16, device="cuda")
     shape = f"B={B} ctx={ctx} topk={k} H={heads}"
-    for S in (1, 2, 4):
+    for S in pieces:
         e2: dict = {}
 
         def ours(S=S):
-            return fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos, sc, check=False, segments_per_row=S)
+            return fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos, sc, check=False, pieces_per_row=S)
 
         o_ms = safe_ms(ours, e2, "ours", rep=reps)
         kern = float("nan")
-        if B <= fd.rows_per_launch(parts, S):
-            meta, splits = fd.fixed_schedule(B, parts, k // fd.TOPK_BLOCK, S, "cuda")
+        parts = None
+        try:
+            parts = fd.num_sm_parts(heads, DQK, S)
+            if B <= fd.rows_per_launch(S):
+                meta, splits = fd.fixed_schedule(B, parts, k // (fd.TOPK_BLOCK * S), "cuda")
+                qp = q[:, None].expand(B, S, heads, DQK)
+                ip = slots.view(B, S, k // S)
+                outp = torch.empty(B, S, heads, DV, dtype=torch.bfloat16, device="cuda")
 
-            def kernel(meta=meta, splits=splits):
-                return _op(q[:, None], kc4, idx4, None, None, meta, splits, None, None, None, DV, sc, out4, False)
+                def kernel(meta=meta, splits=splits, qp=qp, ip=ip, outp=outp):
+                    return _op(qp, kc4, ip, None, None, meta, splits, None, None, None, DV, sc, outp, False)
 
-            kern = safe_ms(kernel, e2, "kernel", rep=reps)
+                kern = safe_ms(kernel, e2, "kernel", rep=reps)
+        except Exception as e:
+            e2["kernel"] = f"{type(e).__name__}: {e}"[:300]
+        extra = {}
+        if S == 4:
+            def ours_copy():
+                return fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos, sc, check=False, pieces_per_row=4,
+                                                            _q_copy=True)
+            extra["q_copy_ms"] = _r(safe_ms(ours_copy, e2, "q_copy", rep=reps))
         rows.append(row(f"decode_flashmla_fp8[S={S}]", shape, o_ms, stock_ms, FP8_STOCK, kernel_ms=_r(kern),
-                        num_sm_parts=parts, errors={**err, **e2} or None))
+                        num_sm_parts=parts, shipped=S == fd.PIECES_PER_ROW, **extra, errors={**err, **e2} or None))
     del cache
     torch.cuda.empty_cache()
 
@@ -433,21 +445,24 @@ def bench_prefill_flashmla_fp8(ctx, T, k, reps, rows):
         kv = torch.cat([nope, rows_[:, 528:].contiguous().view(torch.bfloat16)], 1)
         return fm.flash_mla_sparse_fwd(q, kv[:, None], pos[:, None], sc, DV)
 
-    def ours():
-        return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="flashmla_fp8")
-
-    def workspace():
+    def workspace():  # host-synchronising (data-dependent workspace): timed eagerly
         return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="flashmla",
                                        workspace="per_request", seq_lens=lens)
 
+    from zerodiff.ops import flashmla_fp8_decode as fd
+
     err: dict = {}
-    s_ms = safe_ms(stock, err, "stock", rep=reps)
-    o_ms = safe_ms(ours, err, "ours", rep=reps)
-    w_ms = safe_ms(workspace, err, "workspace", rep=reps)
-    rows.append(row("prefill_flashmla_fp8", f"T={T} ctx={ctx} topk={k}", o_ms, s_ms,
-                    "torch dequant + flash_mla_sparse_fwd (vLLM-style prefill)",
-                    workspace_ms=_r(w_ms), ours_vs_workspace=round(o_ms / w_ms, 4) if w_ms > 0 else None,
-                    errors=err or None))
+    s_ms = safe_ms(stock, err, "stock", rep=reps, graph=False)
+    w_ms = safe_ms(workspace, err, "workspace", rep=reps, graph=False)
+    for S in sorted({1, fd.PIECES_PER_ROW}):
+        def ours(S=S):
+            return fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos, sc, check=False, pieces_per_row=S)
+
+        o_ms = safe_ms(ours, err, "ours", rep=reps, graph=False)
+        rows.append(row(f"prefill_flashmla_fp8[S={S}]", f"T={T} ctx={ctx} topk={k}", o_ms, s_ms,
+                        "torch dequant + flash_mla_sparse_fwd (vLLM-style prefill), eager",
+                        workspace_ms=_r(w_ms), ours_vs_workspace=round(o_ms / w_ms, 4) if w_ms > 0 else None,
+                        errors=err or None))
 
 
 def aot_report(configs):
@@ -507,7 +522,7 @@ def main():
     p.add_argument("--aot", action="store_true", help="AOT-compile the split kernels (no GPU): registers/spills")
     p.add_argument("--flashmla-fp8", action="store_true",
                    help="only the fixed-schedule FlashMLA FP8 path (backend='flashmla_fp8') vs stock: decode "
-                        "B 1-256 at 8K and 32K, 128 heads, pieces per row 1/2/4, prefill T 1024/4096")
+                        "B 1-256 at 8K and 32K, 128 heads, pieces per row 1-16, prefill T 1024/4096")
     args = p.parse_args()
     if args.aot:
         base = sa.split_config(DV, DQK - DV)
@@ -529,9 +544,9 @@ def main():
         for B in (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256):
             bench_flashmla_fp8(B, 8192, k, reps, rows)
         for B in (1, 64, 128, 256):
-            bench_flashmla_fp8(B, 32768, k, reps, rows)
+            bench_flashmla_fp8(B, 32768, k, reps, rows, pieces=(1, 4, 8))
         for B in (1, 64, 128):
-            bench_flashmla_fp8(B, 8192, k, reps, rows, heads=128)
+            bench_flashmla_fp8(B, 8192, k, reps, rows, heads=128, pieces=(1, 4, 8))
         for T in (1024, 4096):
             bench_prefill_flashmla_fp8(8192, T, k, reps, rows)
         write(args.json, "sparse_attention", rows)

@@ -3,11 +3,12 @@
 # (backend "flashmla_fp8") - its GPU tests, its micro-benchmark against the same kernel under its own scheduler,
 # and a short end-to-end check and throughput run with it as the read path on both sides. One command:
 #
-#   build/attention-session.sh [--total SECONDS] [--steps N] [--tests "FILES"]
+#   build/attention-session.sh [--total SECONDS] [--steps N] [--tests "FILES"] [--pieces "1 4 8"] [--check-pieces 4]
 #
 # Two GPUs: GPU 0 runs the tests (tests/test_flashmla_fp8_decode.py first, then --tests, one pytest process
 # per file); GPU 1 runs the micro-benchmark (bench_sparse_attention.py --flashmla-fp8), then the warm-up, then
-# `zerodiff check --attn-backend flashmla_fp8 --steps N` and `zerodiff bench --attn-backend flashmla_fp8 --steps 3`.
+# `zerodiff check --attn-backend flashmla_fp8 --steps N` (ZD_FLASHMLA_PIECES=--check-pieces) and
+# `zerodiff bench --attn-backend flashmla_fp8 --steps 3` once per --pieces value.
 # One GPU: all of it in that order, the tests last.
 # Outputs under $OUT: summary.txt  bench.json  e2e.tar.gz  tests.tar.gz  triton-cache-h200.tar.gz (to .carry/)
 set -uo pipefail
@@ -15,14 +16,16 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${OUT:-$ROOT/results/attention-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
-TOTAL=540; STEPS=20
+TOTAL=540; STEPS=20; PIECES="1 4 8"; CHECK_PIECES=4
 MORE="tests/test_sparse_attention.py tests/test_integrations.py tests/test_kv_cache.py tests/test_fp8_quant.py tests/test_fp8_gemm.py tests/test_bf16_gemm.py"
 while [ $# -gt 0 ]; do
   case "$1" in
     --total) TOTAL="$2"; shift ;;
     --steps) STEPS="$2"; shift ;;
     --tests) MORE="$2"; shift ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    --pieces) PIECES="$2"; shift ;;
+    --check-pieces) CHECK_PIECES="$2"; shift ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -56,18 +59,21 @@ tests() {
 }
 timings() {
   note "== micro-benchmark on GPU ${CUDA_VISIBLE_DEVICES:-0} (t=$(elapsed)s)"
-  timed $(( $(left 200) < 150 ? $(left 200) : 150 )) "$E/bench-micro" $PY benchmarks/bench_sparse_attention.py \
+  timed $(( $(left 200) < 220 ? $(left 200) : 220 )) "$E/bench-micro" $PY benchmarks/bench_sparse_attention.py \
     --flashmla-fp8 --json "$OUT/bench.json"
   grep -E "^(decode|prefill)" "$E/bench-micro.log" | awk '{print "   " $0}' | cut -c1-160 | tee -a "$SUM"
   note "== end to end with --attn-backend flashmla_fp8 (t=$(elapsed)s)"
   timed 120 "$E/warmup" $PY -m zerodiff.e2e_cli warmup --config h200
   local tb=$(( $(left 90) < 200 ? $(left 90) : 200 ))
-  timed "$tb" "$E/check" $PY -m zerodiff.e2e_cli check --config h200 --steps "$STEPS" --attn-backend flashmla_fp8 \
+  timed "$tb" "$E/check" env ZD_FLASHMLA_PIECES=$CHECK_PIECES $PY -m zerodiff.e2e_cli check --config h200 \
+    --steps "$STEPS" --attn-backend flashmla_fp8 \
     --time-budget $(( tb - 25 )) --json "$E/check.json"
   grep -E "^(PASS|FAIL)|time budget|first diverging|Error" "$E/check.log" | tail -n 6 | cut -c1-300 | tee -a "$SUM"
-  timed $(( $(left 5) < 80 ? $(left 5) : 80 )) "$E/bench" $PY -m zerodiff.e2e_cli bench --config h200 --steps 3 \
-    --warmup 1 --attn-backend flashmla_fp8 --json "$E/bench.json"
-  [ -f "$E/bench.json" ] && note "   e2e bench: $($PY -c "import json,sys; d=json.load(open(sys.argv[1])); print('ratio', d.get('ratio'), 'forward GPU-time ratio', d.get('forward_device_ratio'))" "$E/bench.json" 2>&1)"
+  for p in $PIECES; do
+    timed $(( $(left 5) < 70 ? $(left 5) : 70 )) "$E/bench-p$p" env ZD_FLASHMLA_PIECES=$p $PY -m zerodiff.e2e_cli bench \
+      --config h200 --steps 3 --warmup 1 --attn-backend flashmla_fp8 --json "$E/bench-p$p.json"
+    [ -f "$E/bench-p$p.json" ] && note "   e2e bench, pieces $p: $($PY -c "import json,sys; d=json.load(open(sys.argv[1])); print('ratio', d.get('ratio'), 'forward GPU-time ratio', d.get('forward_device_ratio'))" "$E/bench-p$p.json" 2>&1)"
+  done
 }
 if [ "$NGPU" -ge 2 ]; then
   ( export CUDA_VISIBLE_DEVICES=0; tests ) &

@@ -158,7 +158,13 @@ def _kernel_variants(args) -> dict:
             raise SystemExit(f"zerodiff: --attn-backend {attn!r} is not one of {list(sa.READ_BACKENDS)}")
         sa.READ_BACKEND = attn
     return {"mhc": mhc.DEFAULT_VARIANT, "mhc_head": mhc.DEFAULT_HEAD_VARIANT, "topk": topk.VARIANT,
-            "attention_read": sa.READ_BACKEND or "default"}
+            "attention_read": sa.READ_BACKEND or "default", "attention_pieces": _pieces()}
+
+
+def _pieces():
+    from .ops import flashmla_fp8_decode as fd
+
+    return fd.PIECES_PER_ROW
 
 
 def cmd_check(args) -> int:

@@ -3,74 +3,82 @@
 The stock decode path (``flash_mla_with_kvcache(is_fp8_kvcache=True, indices=...)``) reads the 656-byte FP8 cache in
 place and is the fastest sparse MLA kernel on SM90/SM100, but its scheduler (``get_mla_metadata``, run on the
 first call) spreads the whole batch's KV blocks over the SMs: where a row's index list is cut into partial
-reductions depends on the batch, so a row's bits change with its neighbours. The kernel itself takes the schedule
-as data (a ``[num_sm_parts, 8]`` int32 table of per-CTA work ranges plus a cumulative split count per row). This
-module writes that table itself, as a function of the row count and the model shape only, so that every row is
-reduced in the same pieces in the same order whatever else is in the batch:
+reductions depends on the batch, so a row's bits change with its neighbours. The kernel takes the schedule as
+data (a ``[num_sm_parts, 8]`` int32 table of per-CTA work ranges plus a cumulative split count per row). This
+module writes that table itself, from the row count and the model shape only:
 
-* ``segments_per_row = 1`` (default, ``SEGMENTS_PER_ROW``): every row is one uncut piece handled by one CTA,
-  which writes the final output itself (the combine kernel skips rows with one split). Rows are dealt to the
-  CTAs in contiguous runs; which CTA runs a row and what else it runs never enters the arithmetic, because the
-  kernel resets its running max / sum / accumulator at every row.
-* ``segments_per_row = S > 1``: the index list (width K, a multiple of 64) is cut into S equal pieces at fixed
-  offsets, one piece per CTA, merged by FlashMLA's combine kernel in piece order. At most ``num_sm_parts // S``
-  rows go into one launch (the kernel's partial buffers hold ``rows + num_sm_parts`` pieces); longer batches run
-  as several launches, which does not change any row.
+* every (row, piece) is reduced whole by one CTA, which writes its final output itself (the kernel's combine
+  step skips rows with one split). Rows are dealt to the CTAs in contiguous runs; which CTA runs a row and what
+  else it runs never enters the arithmetic, because the kernel resets its running max / sum / accumulator at
+  every row;
+* ``pieces_per_row = P > 1`` (``PIECES_PER_ROW``, a model-shape constant): a row's index list (width K, a
+  multiple of 64 * P) is cut into P equal consecutive pieces that enter the kernel as P query positions of the
+  row (its ``s_q`` axis: the same q, its own index sub-list each), so a lone decode row still spreads over P CTAs.
+  The P normalised piece outputs (bf16) and their lse are merged by ``_merge_pieces_kernel`` in piece order:
+  ``M = max_p lse_p``, ``w_p = exp(lse_p - M)`` (empty piece: 0), ``L = sum_p w_p``, ``out = bf16(sum_p (w_p / L)
+  * o_p * 1 / (1 + exp(sink - lse)))``, ``lse = M + log L`` (all fp32, p ascending). The sink is applied by the
+  merge, never inside a piece.
 
 Public API:
 
 * ``sparse_mla_attention_flashmla_fp8(q, cache, block_table, req_ids, positions, sm_scale, *, attn_sink=None,
-  d_nope=512, d_rope=64, seq_lens=None, check=True, out=None, segments_per_row=None) -> (out, lse)``
+  d_nope=512, d_rope=64, seq_lens=None, check=True, out=None, pieces_per_row=None) -> (out, lse)``
   (also reached as ``sparse_mla_attention(..., backend="flashmla_fp8")``): the same arguments and meaning as the
   other read paths of ``zerodiff.ops.sparse_attention``: ``q`` bf16 [Q, H, d_nope + d_rope] with H 64 or 128,
   ``cache`` the 656-byte paged FP8 cache of ``zerodiff.ops.kv_cache`` (d_nope 512, d_rope 64), ``block_table``
-  int32 [B, max_blocks], ``req_ids`` int32 [Q], ``positions`` int32 [Q, K] request-local (-1 = empty), K a
-  multiple of 64 fixed by the model (max top-k), never by the batch. Returns ``out`` bf16 [Q, H, 512] and ``lse``
-  fp32 [Q, H] as the kernel writes them.
-* ``fixed_schedule(rows, num_sm_parts, blocks_per_row, segments_per_row, device) -> (metadata, num_splits)``:
-  the schedule table (int32 [num_sm_parts, 8]) and cumulative split counts (int32 [rows + 1]).
-* ``rows_per_launch(num_sm_parts, segments_per_row) -> int``.
+  int32 [B, max_blocks], ``req_ids`` int32 [Q], ``positions`` int32 [Q, K] request-local (-1 = empty), K fixed by
+  the model (max top-k), never by the batch. Returns ``out`` bf16 [Q, H, 512] and ``lse`` fp32 [Q, H] (natural
+  log; +inf and out 0 for a row without any valid position).
+* ``fixed_schedule(rows, num_sm_parts, blocks_per_row, device) -> (metadata, num_splits)``: the schedule table
+  (int32 [num_sm_parts, 8]) and cumulative split counts (int32 [rows + 1]).
 * ``schedule_pieces(metadata, num_splits, rows, blocks_per_row) -> list``: how the kernel consumes a table (the
   pieces each row is reduced in and where each partial goes); the CPU tests check the schedule with it.
 * ``translate_positions(block_table, req_ids, positions, num_blocks, block_size) -> (indices, bad_rows)``: the
   request-local positions as the kernel's global token indices (block id * block size + offset; -1 for empty
   and for positions that cannot be resolved), and int32 [Q] flags of rows holding an unresolvable position.
-* ``num_sm_parts(h_q, d_qk, device) -> int``: the CTA count FlashMLA's decode kernel is built for on this device
-  (read from one stock call on a 1-row dummy; cached).
+* ``num_sm_parts(h_q, d_qk, pieces, device) -> int``: the CTA count per piece FlashMLA's decode kernel is built
+  for on this device (read from one stock call on a 1-row dummy; cached).
+* ``merge_pieces_ref(o, lse, attn_sink) -> (out, lse)``: the merge in float64 torch (reference).
 
 Numerical contract (bitwise; verified on the H200 only, see docs/kernels-attention.md): query row r's
 ``out``/``lse`` depend only on q[r], the tokens its positions resolve to and their ORDER, K, sm_scale, the sink,
-the head count and ``segments_per_row``: never on Q, the other rows, the row's place in the batch, the launch it
-lands in, prefill vs decode, or eager vs CUDA-graph replay. The arithmetic inside a piece is FlashMLA's (64-token
-blocks in list order, online softmax in base 2, bf16 P for the P.V product, fp32 accumulation). Bits differ from
-the workspace path and the Triton paths: a deployment runs one path for rollout AND training.
+the head count and ``pieces_per_row``: never on Q, the other rows, the row's place in the batch, the launch it
+lands in, prefill vs decode, or eager vs CUDA-graph replay. Inside a piece the arithmetic is FlashMLA's (64-token
+blocks in list order, online softmax in base 2, bf16 P for the P.V product, fp32 accumulation, bf16 output).
+Bits differ from the workspace path and the Triton paths: a deployment runs one path for rollout AND training.
 
 Fail closed: CPU tensors, a FlashMLA build without the FP8 sparse decode kernel, H not 64/128, a cache that is
-not the 656-byte layout, K not a multiple of 64, a schedule table layout other than 8 int32 per CTA, or a
-segment count that does not divide the 64-entry block count raise ``ValueError``/``RuntimeError`` naming the
-setting. ``check=True`` validates positions against the block table on the host (one sync); with
-``check=False`` (inside CUDA graphs) a row holding an unresolvable position is filled with NaN after the kernel.
+not the 656-byte layout, K not a multiple of 64 * pieces, or a schedule table layout other than 8 int32 per CTA
+raise ``ValueError``/``RuntimeError`` naming the setting. ``check=True`` validates positions against the block
+table on the host (one sync); with ``check=False`` (inside CUDA graphs) a row holding an unresolvable position
+is filled with NaN.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import os
 
 import torch
 
 from .._triton import HAVE_TRITON, LAUNCH_OPTS, triton_usable_for
 from . import kv_cache as _kv
 
-#: pieces each row's index list is reduced in (see the module docstring); a model-shape constant.
-SEGMENTS_PER_ROW = 1
+#: pieces each row's index list is cut into (see the module docstring); a model-shape constant, the same for
+#: rollout and training (``ZD_FLASHMLA_PIECES`` overrides it for an experiment: set it on both sides or neither).
+#: Chosen from the H200 measurements in docs/kernels-attention.md.
+PIECES_PER_ROW = int(os.environ.get("ZD_FLASHMLA_PIECES", "1"))
 #: FlashMLA's KV block (entries per main-loop step of the sparse decode kernel).
 TOPK_BLOCK = 64
 #: int32 fields per CTA in the schedule table: begin row, end row (inclusive), begin block, end block
 #: (exclusive, in the end row), begin split, first-row-is-split flag, last-row-is-split flag, padding.
 META_FIELDS = 8
-#: rows per launch with one piece per row (bounds the kernel's partial buffers, allocated for rows + CTAs
-#: pieces although unused here: 128 KiB per row at 64 heads).
-MAX_ROWS_UNSPLIT = 1024
+#: (row, piece) pairs per launch: bounds the fp32 partial buffers the kernel allocates for rows + CTAs splits
+#: (unused here, 128 KiB per pair at 64 heads). Rows are independent, so the launch split never changes bits.
+MAX_PAIRS_PER_LAUNCH = 1024
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 if HAVE_TRITON:
     import triton
@@ -99,79 +107,111 @@ if HAVE_TRITON:
         tl.store(bad_ptr + r, (tl.sum(nbad, axis=0) > 0).to(tl.int32))
 
     @triton.jit
-    def _poison_rows_kernel(out_ptr, bad_ptr, N, BLOCK: tl.constexpr):
-        """out[r, :] = NaN where bad[r] (out viewed as [Q, N] bf16); other rows untouched."""
+    def _finish_rows_kernel(out_ptr, lse_src_ptr, lse_src_s0, lse_src_s1, lse_ptr, bad_ptr, H, N,
+                            POISON: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One piece per row: lse[r, :] = the kernel's lse (copied out of its [rows, H, 1] layout); with POISON,
+        out[r, :] and lse[r, :] = NaN where bad[r]."""
         r = tl.program_id(0)
         c = tl.program_id(1)
-        bad = tl.load(bad_ptr + r)
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        nan = tl.full([BLOCK], float("nan"), dtype=tl.float32).to(tl.bfloat16)
-        tl.store(out_ptr + r.to(tl.int64) * N + offs, nan, mask=(offs < N) & (bad != 0))
+        h = tl.arange(0, BLOCK_H)
+        if c == 0:
+            l = tl.load(lse_src_ptr + r.to(tl.int64) * lse_src_s0 + h * lse_src_s1, mask=h < H)
+            if POISON:
+                bad = tl.load(bad_ptr + r)
+                l = tl.where(bad != 0, float("nan"), l)
+            tl.store(lse_ptr + r.to(tl.int64) * H + h, l, mask=h < H)
+        if POISON:
+            bad = tl.load(bad_ptr + r)
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            nan = tl.full([BLOCK], float("nan"), dtype=tl.float32).to(tl.bfloat16)
+            tl.store(out_ptr + r.to(tl.int64) * N + offs, nan, mask=(offs < N) & (bad != 0))
+
+    @triton.jit
+    def _merge_pieces_kernel(po_ptr, pl_ptr, pl_s0, pl_s1, pl_s2, sink_ptr, bad_ptr, out_ptr, lse_ptr, H,
+                             P: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr, HAS_SINK: tl.constexpr,
+                             POISON: tl.constexpr):
+        """Row r, heads [hb * BH, +BH): merge the P piece outputs po [rows, P, H, DV] (bf16, each normalised over
+        its piece) with their lse pl (natural log, +inf = empty piece) in piece order; see the module docstring."""
+        r = tl.program_id(0).to(tl.int64)
+        hb = tl.program_id(1)
+        h = hb * BH + tl.arange(0, BH)
+        hm = h < H
+        d = tl.arange(0, DV)
+        M = tl.full([BH], float("-inf"), dtype=tl.float32)
+        for p in tl.static_range(P):
+            lp = tl.load(pl_ptr + r * pl_s0 + p * pl_s2 + h * pl_s1, mask=hm, other=float("inf"))
+            lp = tl.where(lp == float("inf"), float("-inf"), lp)
+            M = tl.maximum(M, lp)
+        empty = M == float("-inf")
+        Ms = tl.where(empty, 0.0, M)
+        L = tl.zeros([BH], dtype=tl.float32)
+        for p in tl.static_range(P):
+            lp = tl.load(pl_ptr + r * pl_s0 + p * pl_s2 + h * pl_s1, mask=hm, other=float("inf"))
+            lp = tl.where(lp == float("inf"), float("-inf"), lp)
+            L += tl.exp2((lp - Ms) * 1.4426950408889634)
+        lse2 = tl.where(empty, float("inf"), Ms * 1.4426950408889634 + tl.log2(tl.where(empty, 1.0, L)))
+        fac = tl.full([BH], 1.0, dtype=tl.float32)
+        if HAS_SINK:
+            sk = tl.load(sink_ptr + h, mask=hm, other=0.0)
+            fac = tl.where(empty, 0.0, 1.0 / (1.0 + tl.exp2(sk * 1.4426950408889634 - lse2)))
+        acc = tl.zeros([BH, DV], dtype=tl.float32)
+        for p in tl.static_range(P):
+            lp = tl.load(pl_ptr + r * pl_s0 + p * pl_s2 + h * pl_s1, mask=hm, other=float("inf"))
+            lp = tl.where(lp == float("inf"), float("-inf"), lp)
+            w = tl.where(empty, 0.0, tl.exp2((lp - Ms) * 1.4426950408889634) / tl.where(empty, 1.0, L))
+            o = tl.load(po_ptr + ((r * P + p) * H + h[:, None]) * DV + d[None, :], mask=hm[:, None], other=0.0)
+            acc += w[:, None] * o.to(tl.float32)
+        res = acc * fac[:, None]
+        lse = lse2 * 0.6931471805599453
+        if POISON:
+            bad = tl.load(bad_ptr + r)
+            res = tl.where(bad != 0, float("nan"), res)
+            lse = tl.where(bad != 0, float("nan"), lse)
+        tl.store(out_ptr + (r * H + h[:, None]) * DV + d[None, :], res.to(tl.bfloat16), mask=hm[:, None])
+        tl.store(lse_ptr + r * H + h, lse, mask=hm)
 
 
-def rows_per_launch(num_sm_parts: int, segments_per_row: int) -> int:
-    """Rows one kernel launch takes: every row's pieces must each get their own CTA when S > 1."""
-    if segments_per_row < 1:
-        raise ValueError(f"zerodiff.flashmla_fp8: segments_per_row={segments_per_row} must be >= 1")
-    if segments_per_row == 1:
-        return MAX_ROWS_UNSPLIT
-    n = num_sm_parts // segments_per_row
-    if n < 1:
-        raise ValueError(f"zerodiff.flashmla_fp8: segments_per_row={segments_per_row} exceeds the kernel's "
-                         f"{num_sm_parts} CTAs")
-    return n
+def rows_per_launch(pieces_per_row: int = 1) -> int:
+    """Rows one kernel launch takes (a memory bound only)."""
+    if pieces_per_row < 1:
+        raise ValueError(f"zerodiff.flashmla_fp8: pieces_per_row={pieces_per_row} must be >= 1")
+    return max(1, MAX_PAIRS_PER_LAUNCH // pieces_per_row)
 
 
-def fixed_schedule(rows: int, num_sm_parts: int, blocks_per_row: int, segments_per_row: int = 1, device=None):
-    """The schedule table and cumulative split counts for ``rows`` rows (see the module docstring).
+def fixed_schedule(rows: int, num_sm_parts: int, blocks_per_row: int, device=None):
+    """The schedule table and cumulative split counts for ``rows`` rows, each reduced whole by one CTA (per
+    piece: the kernel runs the same table for every query position of the ``s_q`` axis).
 
     Built with torch ops on ``device`` (no host->device copy, so it can be built inside CUDA-graph capture).
     Unused CTAs get ``begin row = rows``, which makes the kernel return at once."""
-    S = int(segments_per_row)
     P = int(num_sm_parts)
     if rows < 1:
         raise ValueError(f"zerodiff.flashmla_fp8: rows={rows} must be >= 1")
-    if blocks_per_row < 1 or blocks_per_row % S:
-        raise ValueError(f"zerodiff.flashmla_fp8: segments_per_row={S} must divide the row's {blocks_per_row} "
-                         f"blocks of {TOPK_BLOCK} entries")
-    if S > 1 and rows * S > P:
-        raise ValueError(f"zerodiff.flashmla_fp8: {rows} rows x {S} pieces exceed the kernel's {P} CTAs "
-                         f"(at most {rows_per_launch(P, S)} rows per launch)")
+    if blocks_per_row < 1:
+        raise ValueError(f"zerodiff.flashmla_fp8: blocks_per_row={blocks_per_row} must be >= 1")
+    if P < 1:
+        raise ValueError(f"zerodiff.flashmla_fp8: num_sm_parts={P} must be >= 1")
     i = torch.arange(P, device=device, dtype=torch.int64)
     meta = torch.zeros(P, META_FIELDS, device=device, dtype=torch.int64)
-    if S == 1:
-        if rows <= P:
-            used = i < rows
-            begin = torch.where(used, i, torch.full_like(i, rows))
-            end = torch.where(used, i, torch.full_like(i, rows - 1))
-        else:  # contiguous runs of whole rows, sizes differing by at most one
-            begin = (i * rows) // P
-            end = ((i + 1) * rows) // P - 1
-            used = torch.ones_like(i, dtype=torch.bool)
-        meta[:, 0] = begin
-        meta[:, 1] = end
-        meta[:, 3] = torch.where(used, torch.full_like(i, blocks_per_row), torch.zeros_like(i))
-        splits = torch.arange(rows + 1, device=device, dtype=torch.int64)
-    else:
-        G = blocks_per_row // S
-        used = i < rows * S
-        row = torch.where(used, i // S, torch.full_like(i, rows))
-        seg = torch.where(used, i % S, torch.zeros_like(i))
-        meta[:, 0] = row
-        meta[:, 1] = torch.where(used, row, torch.full_like(i, rows - 1))
-        meta[:, 2] = seg * G
-        meta[:, 3] = torch.where(used, (seg + 1) * G, torch.zeros_like(i))
-        meta[:, 4] = seg
-        meta[:, 5] = used.to(torch.int64)
-        meta[:, 6] = used.to(torch.int64)
-        splits = torch.arange(rows + 1, device=device, dtype=torch.int64) * S
+    if rows <= P:
+        used = i < rows
+        begin = torch.where(used, i, torch.full_like(i, rows))
+        end = torch.where(used, i, torch.full_like(i, rows - 1))
+    else:  # contiguous runs of whole rows, sizes differing by at most one
+        begin = (i * rows) // P
+        end = ((i + 1) * rows) // P - 1
+        used = torch.ones_like(i, dtype=torch.bool)
+    meta[:, 0] = begin
+    meta[:, 1] = end
+    meta[:, 3] = torch.where(used, torch.full_like(i, blocks_per_row), torch.zeros_like(i))
+    splits = torch.arange(rows + 1, device=device, dtype=torch.int64)
     return meta.to(torch.int32), splits.to(torch.int32)
 
 
 def schedule_pieces(metadata: torch.Tensor, num_splits: torch.Tensor, rows: int, blocks_per_row: int):
-    """How the decode kernel consumes a schedule (its documented contract, modelled on the CPU): for each CTA in
-    order, for each row it covers, the piece ``(row, start_block, end_block, no_split, partial_slot)`` with the
-    partial slot ``num_splits[row] + split index`` (None when the CTA writes the final output itself)."""
+    """How the decode kernel consumes a schedule (its contract, modelled on the CPU): for each CTA in order, for
+    each row it covers, ``(cta, row, start_block, end_block, no_split, partial_slot)`` with the partial slot
+    ``num_splits[row] + split index`` (None when the CTA writes the final output itself)."""
     m = metadata.cpu().tolist()
     ns = num_splits.cpu().tolist()
     pieces = []
@@ -224,6 +264,44 @@ def _translate_torch(block_table, req_ids, positions, num_blocks, block_size):
     return idx, bad
 
 
+def merge_pieces_ref(o: torch.Tensor, lse: torch.Tensor, attn_sink=None):
+    """Reference of the piece merge in float64: ``o`` [Q, P, H, DV] bf16 piece outputs, ``lse`` [Q, P, H]
+    (natural log, +inf = empty piece). Returns (out float64 [Q, H, DV], lse float64 [Q, H])."""
+    lp = lse.double()
+    lp = torch.where(lp == math.inf, torch.full_like(lp, -math.inf), lp)
+    M = lp.max(dim=1).values
+    empty = M == -math.inf
+    Ms = torch.where(empty, torch.zeros_like(M), M)
+    w = torch.exp(lp - Ms[:, None])
+    L = w.sum(dim=1)
+    Ls = torch.where(empty, torch.ones_like(L), L)
+    out = (w[..., None] / Ls[:, None, :, None] * o.double()).sum(dim=1)
+    lse_out = torch.where(empty, torch.full_like(M, math.inf), Ms + torch.log(Ls))
+    if attn_sink is not None:
+        fac = 1.0 / (1.0 + torch.exp(attn_sink.double()[None, :] - lse_out))
+        out = out * torch.where(empty, torch.zeros_like(fac), fac)[..., None]
+    return out, lse_out
+
+
+def merge_pieces(o: torch.Tensor, lse: torch.Tensor, attn_sink=None, bad=None, out=None, lse_out=None):
+    """The piece merge (``_merge_pieces_kernel``): ``o`` [Q, P, H, DV] bf16 contiguous, ``lse`` fp32 [Q, P, H]
+    (any strides). Rows flagged in ``bad`` (int32 [Q]) come out NaN."""
+    Q, P, H, DV = o.shape
+    if out is None:
+        out = torch.empty(Q, H, DV, dtype=torch.bfloat16, device=o.device)
+    if lse_out is None:
+        lse_out = torch.empty(Q, H, dtype=torch.float32, device=o.device)
+    if Q == 0:
+        return out, lse_out
+    BH = 16
+    dummy = torch.zeros(1, dtype=torch.int32, device=o.device)
+    sink = attn_sink if attn_sink is not None else torch.zeros(1, dtype=torch.float32, device=o.device)
+    _merge_pieces_kernel[(Q, triton.cdiv(H, BH))](
+        o, lse, lse.stride(0), lse.stride(2), lse.stride(1), sink, bad if bad is not None else dummy, out, lse_out,
+        H, P=P, DV=DV, BH=BH, HAS_SINK=attn_sink is not None, POISON=bad is not None, num_warps=4, **LAUNCH_OPTS)
+    return out, lse_out
+
+
 def _flashmla():
     from .. import backends
 
@@ -239,13 +317,13 @@ def _flashmla():
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sm_parts_cached(device_index: int, h_q: int, d_qk: int) -> int:
-    fm, op = _flashmla()
+def _num_sm_parts_cached(device_index: int, h_q: int, d_qk: int, pieces: int) -> int:
+    _fm, op = _flashmla()
     dev = torch.device("cuda", device_index)
     bpt = _kv.bytes_per_token(512, 64)
     cache = torch.zeros(1, TOPK_BLOCK, 1, bpt, dtype=torch.uint8, device=dev)
-    q = torch.zeros(1, 1, h_q, d_qk, dtype=torch.bfloat16, device=dev)
-    idx = torch.zeros(1, 1, TOPK_BLOCK, dtype=torch.int32, device=dev)
+    q = torch.zeros(1, pieces, h_q, d_qk, dtype=torch.bfloat16, device=dev)
+    idx = torch.zeros(1, pieces, TOPK_BLOCK, dtype=torch.int32, device=dev)
     res = op(q, cache, idx, None, None, None, None, None, None, None, 512, 1.0, None, False)
     meta = res[2]
     if meta is None or meta.dim() != 2 or meta.shape[1] != META_FIELDS or meta.dtype != torch.int32:
@@ -255,25 +333,32 @@ def _num_sm_parts_cached(device_index: int, h_q: int, d_qk: int) -> int:
     return int(meta.shape[0])
 
 
-def num_sm_parts(h_q: int, d_qk: int = 576, device=None) -> int:
-    """CTAs of FlashMLA's sparse decode kernel on ``device`` for ``h_q`` heads (probed once, cached)."""
+def num_sm_parts(h_q: int, d_qk: int = 576, pieces: int = 1, device=None) -> int:
+    """CTAs per piece of FlashMLA's sparse decode kernel on ``device`` for ``h_q`` heads (probed once, cached)."""
     dev = torch.device(device if device is not None else "cuda")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    if torch.cuda.is_current_stream_capturing() and _num_sm_parts_cached.cache_info().currsize == 0:
-        raise RuntimeError("zerodiff.flashmla_fp8: call once eagerly before CUDA-graph capture (the kernel's CTA "
-                           "count is probed with one stock call)")
-    return _num_sm_parts_cached(index, int(h_q), int(d_qk))
+    key = (index, int(h_q), int(d_qk), int(pieces))
+    if torch.cuda.is_current_stream_capturing():
+        try:
+            return _PROBED[key]
+        except KeyError:
+            raise RuntimeError("zerodiff.flashmla_fp8: call once eagerly before CUDA-graph capture (the kernel's "
+                               "CTA count is probed with one stock call)") from None
+    n = _num_sm_parts_cached(*key)
+    _PROBED[key] = n
+    return n
 
 
+_PROBED: dict = {}
 _SCHEDULES: dict = {}
 
 
-def _schedule(rows, parts, blocks, S, device):
-    key = (str(device), rows, parts, blocks, S)
+def _schedule(rows, parts, blocks, device):
+    key = (str(device), rows, parts, blocks)
     hit = _SCHEDULES.get(key)
     if hit is not None:
         return hit
-    sched = fixed_schedule(rows, parts, blocks, S, device)
+    sched = fixed_schedule(rows, parts, blocks, device)
     if not torch.cuda.is_current_stream_capturing():  # graph-pool tensors must not outlive their graph
         _SCHEDULES[key] = sched
     return sched
@@ -281,8 +366,10 @@ def _schedule(rows, parts, blocks, S, device):
 
 def sparse_mla_attention_flashmla_fp8(q, cache, block_table, req_ids, positions, sm_scale: float, *, attn_sink=None,
                                       d_nope: int = 512, d_rope: int = 64, seq_lens=None, check: bool = True,
-                                      out=None, segments_per_row: int | None = None):
-    """FlashMLA's FP8 sparse decode kernel with a batch-independent schedule; see the module docstring."""
+                                      out=None, pieces_per_row: int | None = None, _q_copy: bool = False):
+    """FlashMLA's FP8 sparse decode kernel with a batch-independent schedule; see the module docstring.
+    ``_q_copy`` (private; tests and the benchmark): hand the kernel a materialised copy of q per piece instead of
+    the stride-0 broadcast (the same values, so the same bits)."""
     from .sparse_attention import _check_fp8_read_args
 
     _check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope, d_rope, "flashmla_fp8")
@@ -295,14 +382,11 @@ def sparse_mla_attention_flashmla_fp8(q, cache, block_table, req_ids, positions,
     K = positions.shape[1]
     if H not in (64, 128):
         raise ValueError(f"zerodiff.sparse_attention[flashmla_fp8]: FlashMLA's decode kernel takes 64 or 128 heads, got {H}")
-    if K == 0 or K % TOPK_BLOCK:
+    P = PIECES_PER_ROW if pieces_per_row is None else int(pieces_per_row)
+    if P < 1 or K == 0 or K % (TOPK_BLOCK * P):
         raise ValueError(f"zerodiff.sparse_attention[flashmla_fp8]: the index-list width K={K} must be a positive "
-                         f"multiple of {TOPK_BLOCK} (a model constant: pad the top-k width with -1)")
-    S = SEGMENTS_PER_ROW if segments_per_row is None else int(segments_per_row)
-    blocks = K // TOPK_BLOCK
-    if S < 1 or blocks % S:
-        raise ValueError(f"zerodiff.sparse_attention[flashmla_fp8]: segments_per_row={S} must divide the "
-                         f"{blocks} blocks of {TOPK_BLOCK} entries (K={K})")
+                         f"multiple of {TOPK_BLOCK} x pieces_per_row={P} (a model constant: pad the top-k width "
+                         "with -1)")
     if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (Q, H, d_nope) or not out.is_contiguous()):
         raise ValueError(f"zerodiff.sparse_attention[flashmla_fp8]: out must be contiguous bf16 [{Q}, {H}, {d_nope}], "
                          f"got {out.dtype} {tuple(out.shape)}")
@@ -316,24 +400,48 @@ def sparse_mla_attention_flashmla_fp8(q, cache, block_table, req_ids, positions,
     _fm, op = _flashmla()
     nb, bs, _ = cache.shape
     idx, bad = translate_positions(block_table, req_ids, positions, nb, bs)
-    parts = num_sm_parts(H, D, q.device)
-    step = rows_per_launch(parts, S)
+    parts = num_sm_parts(H, D, P, q.device)
+    blocks = K // (TOPK_BLOCK * P)
+    step = rows_per_launch(P)
     kcache = cache.view(nb, bs, 1, cache.shape[2])
-    q4 = q if q.stride(2) == 1 else q.contiguous()
+    q = q if q.stride(2) == 1 else q.contiguous()
+    pieces_out = None if P == 1 else torch.empty(Q, P, H, d_nope, dtype=torch.bfloat16, device=q.device)
     for r0 in range(0, Q, step):
         r1 = min(Q, r0 + step)
         n = r1 - r0
-        meta, splits = _schedule(n, parts, blocks, S, q.device)
-        res = op(q4[r0:r1].unsqueeze(1), kcache, idx[r0:r1].unsqueeze(1), None, attn_sink, meta, splits,
-                 None, None, None, d_nope, float(sm_scale), out[r0:r1].unsqueeze(1), False)
-        l = res[1]
-        if tuple(l.shape) == (n, H, 1):
-            lse[r0:r1] = l[:, :, 0]
-        elif tuple(l.shape) == (n, 1, H):
-            lse[r0:r1] = l[:, 0, :]
+        meta, splits = _schedule(n, parts, blocks, q.device)
+        # the P pieces of a row are P query positions sharing the row's q (a stride-0 axis, no copy)
+        qp = q[r0:r1].unsqueeze(1).expand(n, P, H, D)
+        if _q_copy:
+            qp = qp.contiguous()
+        ip = idx[r0:r1].view(n, P, K // P)
+        if P == 1:
+            res = op(qp, kcache, ip, None, attn_sink, meta, splits, None, None, None, d_nope, float(sm_scale),
+                     out[r0:r1].unsqueeze(1), False)
+            _finish(res[1], out[r0:r1], lse[r0:r1], None if check else bad[r0:r1], H, d_nope)
         else:
-            raise RuntimeError(f"zerodiff.flashmla_fp8: unexpected lse shape {tuple(l.shape)} from FlashMLA")
-    if not check:  # fail closed inside graphs: rows that asked for an unresolvable position become NaN
-        N = H * d_nope
-        _poison_rows_kernel[(Q, triton.cdiv(N, 4096))](out, bad, N, BLOCK=4096, num_warps=4, **LAUNCH_OPTS)
+            res = op(qp, kcache, ip, None, None, meta, splits, None, None, None, d_nope, float(sm_scale),
+                     pieces_out[r0:r1], False)
+            kl = res[1]
+            if tuple(kl.shape) == (n, H, P):
+                kl = kl.transpose(1, 2)
+            elif tuple(kl.shape) != (n, P, H):
+                raise RuntimeError(f"zerodiff.flashmla_fp8: unexpected lse shape {tuple(kl.shape)} from FlashMLA")
+            merge_pieces(pieces_out[r0:r1], kl, attn_sink, None if check else bad[r0:r1], out[r0:r1], lse[r0:r1])
     return out, lse
+
+
+def _finish(kernel_lse, out, lse, bad, H, d_nope):
+    """One piece per row: copy the kernel's lse ([rows, H, 1] or [rows, 1, H]) and NaN-fill bad rows."""
+    n = out.shape[0]
+    if tuple(kernel_lse.shape) == (n, H, 1):
+        s0, s1 = kernel_lse.stride(0), kernel_lse.stride(1)
+    elif tuple(kernel_lse.shape) == (n, 1, H):
+        s0, s1 = kernel_lse.stride(0), kernel_lse.stride(2)
+    else:
+        raise RuntimeError(f"zerodiff.flashmla_fp8: unexpected lse shape {tuple(kernel_lse.shape)} from FlashMLA")
+    N = H * d_nope
+    poison = bad is not None
+    grid = (n, triton.cdiv(N, 4096) if poison else 1)
+    _finish_rows_kernel[grid](out, kernel_lse, s0, s1, lse, bad if poison else lse, H, N, POISON=poison,
+                              BLOCK=4096, BLOCK_H=triton.next_power_of_2(H), num_warps=4, **LAUNCH_OPTS)
