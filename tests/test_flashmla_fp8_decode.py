@@ -123,7 +123,8 @@ def test_merge_pieces_kernel_matches_float64_reference(seeded, with_sink):
     fin = torch.isfinite(ref_l)
     assert torch.allclose(got_l.double()[fin], ref_l[fin], atol=1e-5, rtol=1e-6)
     assert bool((got_l[2] == math.inf).all()) and bool((got_o[2].float() == 0).all()), "empty row: out 0, lse +inf"
-    bad = torch.tensor([0, 0, 0, 1, 0], dtype=torch.int32)
+    bad = torch.zeros(Q, 3, dtype=torch.int32)  # per-chunk flags of the translation: row 3's last chunk
+    bad[3, 2] = 1
     po, pl = fd.merge_pieces(o.contiguous(), lse, sink, bad)
     assert bool(torch.isnan(po[3].float()).all()) and bool(torch.isnan(pl[3]).all())
     assert torch.equal(po[4], got_o[4]) and torch.equal(pl[4], got_l[4])
@@ -145,10 +146,11 @@ def test_translate_kernel_matches_torch_reference(seeded):
     bt = torch.randint(0, nb, (B, mb), generator=g, dtype=torch.int32)
     bt[1, 2] = -1  # hole
     bt[2, 4] = nb + 7  # out-of-range block id
-    Q, K = 7, 300  # K not a multiple of the kernel's 256-wide block
+    Q, K = 7, 1100  # three 512-wide chunks, the last one partial
     req = torch.randint(0, B, (Q,), generator=g, dtype=torch.int32)
     pos = _adversarial_positions(g, Q, K, mb, bs)
-    pos[4, 9] = 2 * bs + 1
+    pos[4, 1050] = 2 * bs + 1  # in the last chunk
+    pos[4, :1050] = pos[4, :1050].clamp(max=2 * bs - 1)  # every other position of row 4 before the hole
     req[4] = 1  # position in the hole
     req[0] = 0  # row 0: a table without holes, so only its -1 entries are skipped
     got = fd.translate_positions(bt, req, pos, nb, bs)
@@ -229,7 +231,7 @@ def _call(q, cache, bt, req, pos, S=None, sink=None, check=True, q_copy=False):
                                                 pieces_per_row=S, _q_copy=q_copy)
 
 
-PIECES = [1, 4, 8]
+PIECES = sorted({1, 2, 4, 8, fd.PIECES_PER_ROW})
 
 
 @pytest.mark.gpu

@@ -105,7 +105,12 @@ def _kernel_configuration() -> dict:
     """The shipped kernel choices both sides read (see README "Kernel configurations")."""
     from .ops import mhc, topk
 
-    return {"mhc": mhc.DEFAULT_VARIANT, "mhc_head": mhc.DEFAULT_HEAD_VARIANT, "topk": topk.VARIANT}
+    from .ops import flashmla_fp8_decode as fd
+    from .ops import sparse_attention as sa
+
+    return {"mhc": mhc.DEFAULT_VARIANT, "mhc_head": mhc.DEFAULT_HEAD_VARIANT, "topk": topk.VARIANT,
+            "attention_read": sa.READ_BACKEND or "flashmla_fp8 where supported, else workspace",
+            "attention_pieces": fd.PIECES_PER_ROW}
 
 
 def collect() -> dict:
@@ -172,7 +177,8 @@ def render(r: dict) -> str:
         lines.append(f"triton      kernel cache {tc['path']}: {tc['kernels']} compiled kernel(s)")
     kc = r.get("kernel_configuration")
     if kc is not None:
-        lines.append(f"kernels     mHC {kc['mhc']} (head {kc['mhc_head']}), DSA Top-K {kc['topk']}")
+        lines.append(f"kernels     mHC {kc['mhc']} (head {kc['mhc_head']}), DSA Top-K {kc['topk']}, sparse MLA read "
+                     f"{kc['attention_read']} ({kc['attention_pieces']} pieces per row)")
     p = r["pins"]
     lines.append(f"pins        {p['path']}")
     if "error" in p:

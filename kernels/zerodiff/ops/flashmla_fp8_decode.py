@@ -68,7 +68,7 @@ from . import kv_cache as _kv
 #: pieces each row's index list is cut into (see the module docstring); a model-shape constant, the same for
 #: rollout and training (``ZD_FLASHMLA_PIECES`` overrides it for an experiment: set it on both sides or neither).
 #: Chosen from the H200 measurements in docs/kernels-attention.md.
-PIECES_PER_ROW = int(os.environ.get("ZD_FLASHMLA_PIECES", "1"))
+PIECES_PER_ROW = int(os.environ.get("ZD_FLASHMLA_PIECES", "2"))
 #: FlashMLA's KV block (entries per main-loop step of the sparse decode kernel).
 TOPK_BLOCK = 64
 #: int32 fields per CTA in the schedule table: begin row, end row (inclusive), begin block, end block
@@ -85,29 +85,37 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _translate_kernel(pos_ptr, pos_s0, req_ptr, bt_ptr, bt_s0, idx_ptr, bad_ptr, K, max_blocks, num_blocks,
+    def _translate_kernel(pos_ptr, pos_s0, req_ptr, bt_ptr, bt_s0, idx_ptr, badp_ptr, K, NCH, max_blocks, num_blocks,
                           BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Row r: request-local positions -> global token indices of the paged cache (-1 when empty or
-        unresolvable) and bad[r] = 1 when any position could not be resolved. Integer arithmetic only."""
+        """Row r, entries [c * BLOCK_K, +BLOCK_K): request-local positions -> global token indices of the paged
+        cache (-1 when empty or unresolvable); badp[r, c] = 1 when one of them could not be resolved. Integer
+        arithmetic only; every program writes its own flag (no atomics, no zero-filled buffer)."""
         r = tl.program_id(0)
+        c = tl.program_id(1)
         req = tl.load(req_ptr + r).to(tl.int64)
-        nbad = tl.zeros([BLOCK_K], dtype=tl.int32)
-        for k0 in range(0, K, BLOCK_K):
-            offs = k0 + tl.arange(0, BLOCK_K)
-            inside = offs < K
-            p = tl.load(pos_ptr + r * pos_s0 + offs, mask=inside, other=-1)
-            valid = p >= 0
-            lb = tl.where(valid, p // BLOCK_SIZE, 0)
-            in_table = lb < max_blocks
-            blk = tl.load(bt_ptr + req * bt_s0 + lb, mask=valid & in_table, other=-1)
-            ok = valid & in_table & (blk >= 0) & (blk < num_blocks)
-            idx = tl.where(ok, blk * BLOCK_SIZE + (p - lb * BLOCK_SIZE), -1)
-            tl.store(idx_ptr + r * K + offs, idx, mask=inside)
-            nbad += ((valid & (ok == 0)) | (p < -1)).to(tl.int32)
-        tl.store(bad_ptr + r, (tl.sum(nbad, axis=0) > 0).to(tl.int32))
+        offs = c * BLOCK_K + tl.arange(0, BLOCK_K)
+        inside = offs < K
+        p = tl.load(pos_ptr + r.to(tl.int64) * pos_s0 + offs, mask=inside, other=-1)
+        valid = p >= 0
+        lb = tl.where(valid, p // BLOCK_SIZE, 0)
+        in_table = lb < max_blocks
+        blk = tl.load(bt_ptr + req * bt_s0 + lb, mask=valid & in_table, other=-1)
+        ok = valid & in_table & (blk >= 0) & (blk < num_blocks)
+        idx = tl.where(ok, blk * BLOCK_SIZE + (p - lb * BLOCK_SIZE), -1)
+        tl.store(idx_ptr + r.to(tl.int64) * K + offs, idx, mask=inside)
+        nbad = ((valid & (ok == 0)) | (p < -1)).to(tl.int32)
+        tl.store(badp_ptr + r * NCH + c, (tl.sum(nbad, axis=0) > 0).to(tl.int32))
 
     @triton.jit
-    def _finish_rows_kernel(out_ptr, lse_src_ptr, lse_src_s0, lse_src_s1, lse_ptr, bad_ptr, H, N,
+    def _row_bad(badp_ptr, r, NCH):
+        """1 when any chunk flag of row r is set."""
+        b = tl.load(badp_ptr + r * NCH)
+        for c in range(1, NCH):
+            b = tl.maximum(b, tl.load(badp_ptr + r * NCH + c))
+        return b
+
+    @triton.jit
+    def _finish_rows_kernel(out_ptr, lse_src_ptr, lse_src_s0, lse_src_s1, lse_ptr, bad_ptr, NCH, H, N,
                             POISON: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
         """One piece per row: lse[r, :] = the kernel's lse (copied out of its [rows, H, 1] layout); with POISON,
         out[r, :] and lse[r, :] = NaN where bad[r]."""
@@ -117,17 +125,17 @@ if HAVE_TRITON:
         if c == 0:
             l = tl.load(lse_src_ptr + r.to(tl.int64) * lse_src_s0 + h * lse_src_s1, mask=h < H)
             if POISON:
-                bad = tl.load(bad_ptr + r)
+                bad = _row_bad(bad_ptr, r, NCH)
                 l = tl.where(bad != 0, float("nan"), l)
             tl.store(lse_ptr + r.to(tl.int64) * H + h, l, mask=h < H)
         if POISON:
-            bad = tl.load(bad_ptr + r)
+            bad = _row_bad(bad_ptr, r, NCH)
             offs = c * BLOCK + tl.arange(0, BLOCK)
             nan = tl.full([BLOCK], float("nan"), dtype=tl.float32).to(tl.bfloat16)
             tl.store(out_ptr + r.to(tl.int64) * N + offs, nan, mask=(offs < N) & (bad != 0))
 
     @triton.jit
-    def _merge_pieces_kernel(po_ptr, pl_ptr, pl_s0, pl_s1, pl_s2, sink_ptr, bad_ptr, out_ptr, lse_ptr, H,
+    def _merge_pieces_kernel(po_ptr, pl_ptr, pl_s0, pl_s1, pl_s2, sink_ptr, bad_ptr, NCH, out_ptr, lse_ptr, H,
                              P: tl.constexpr, DV: tl.constexpr, BH: tl.constexpr, HAS_SINK: tl.constexpr,
                              POISON: tl.constexpr):
         """Row r, heads [hb * BH, +BH): merge the P piece outputs po [rows, P, H, DV] (bf16, each normalised over
@@ -164,7 +172,7 @@ if HAVE_TRITON:
         res = acc * fac[:, None]
         lse = lse2 * 0.6931471805599453
         if POISON:
-            bad = tl.load(bad_ptr + r)
+            bad = _row_bad(bad_ptr, r, NCH)
             res = tl.where(bad != 0, float("nan"), res)
             lse = tl.where(bad != 0, float("nan"), lse)
         tl.store(out_ptr + (r * H + h[:, None]) * DV + d[None, :], res.to(tl.bfloat16), mask=hm[:, None])
@@ -232,21 +240,32 @@ def schedule_pieces(metadata: torch.Tensor, num_splits: torch.Tensor, rows: int,
     return pieces
 
 
+TRANSLATE_BLOCK = 512
+
+
 def translate_positions(block_table, req_ids, positions, num_blocks: int, block_size: int):
     """Request-local positions -> global token indices (int32 [Q, K], -1 = skip) and bad-row flags (int32 [Q])."""
+    idx, badp = _translate(block_table, req_ids, positions, num_blocks, block_size)
+    return idx, badp.amax(dim=1) if badp.shape[1] else badp.new_zeros(badp.shape[0])
+
+
+def _translate(block_table, req_ids, positions, num_blocks, block_size):
+    """(indices int32 [Q, K], per-chunk bad flags int32 [Q, ceil(K / TRANSLATE_BLOCK)])."""
     Q, K = positions.shape
-    idx = torch.empty(Q, K, dtype=torch.int32, device=positions.device)
-    bad = torch.zeros(Q, dtype=torch.int32, device=positions.device)
-    if Q == 0:
-        return idx, bad
     if HAVE_TRITON and triton_usable_for(positions.device):
+        nch = max(1, triton.cdiv(K, TRANSLATE_BLOCK))
+        idx = torch.empty(Q, K, dtype=torch.int32, device=positions.device)
+        badp = torch.empty(Q, nch, dtype=torch.int32, device=positions.device)
+        if Q == 0:
+            return idx, badp
         positions = positions if positions.stride(1) == 1 else positions.contiguous()
         bt = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-        _translate_kernel[(Q,)](positions, positions.stride(0), req_ids.contiguous(), bt, bt.stride(0), idx, bad,
-                                K, bt.shape[1], num_blocks, BLOCK_SIZE=block_size, BLOCK_K=256, num_warps=4,
-                                **LAUNCH_OPTS)
-        return idx, bad
-    return _translate_torch(block_table, req_ids, positions, num_blocks, block_size)
+        _translate_kernel[(Q, nch)](positions, positions.stride(0), req_ids.contiguous(), bt, bt.stride(0), idx,
+                                    badp, K, nch, bt.shape[1], num_blocks, BLOCK_SIZE=block_size,
+                                    BLOCK_K=TRANSLATE_BLOCK, num_warps=4, **LAUNCH_OPTS)
+        return idx, badp
+    idx, bad = _translate_torch(block_table, req_ids, positions, num_blocks, block_size)
+    return idx, bad[:, None]
 
 
 def _translate_torch(block_table, req_ids, positions, num_blocks, block_size):
@@ -285,7 +304,7 @@ def merge_pieces_ref(o: torch.Tensor, lse: torch.Tensor, attn_sink=None):
 
 def merge_pieces(o: torch.Tensor, lse: torch.Tensor, attn_sink=None, bad=None, out=None, lse_out=None):
     """The piece merge (``_merge_pieces_kernel``): ``o`` [Q, P, H, DV] bf16 contiguous, ``lse`` fp32 [Q, P, H]
-    (any strides). Rows flagged in ``bad`` (int32 [Q]) come out NaN."""
+    (any strides). Rows flagged in ``bad`` (int32 [Q] or per-chunk flags [Q, n]) come out NaN."""
     Q, P, H, DV = o.shape
     if out is None:
         out = torch.empty(Q, H, DV, dtype=torch.bfloat16, device=o.device)
@@ -294,12 +313,35 @@ def merge_pieces(o: torch.Tensor, lse: torch.Tensor, attn_sink=None, bad=None, o
     if Q == 0:
         return out, lse_out
     BH = 16
-    dummy = torch.zeros(1, dtype=torch.int32, device=o.device)
-    sink = attn_sink if attn_sink is not None else torch.zeros(1, dtype=torch.float32, device=o.device)
+    if bad is not None and bad.dim() == 1:
+        bad = bad[:, None]
+    badc = bad.contiguous() if bad is not None else out
+    nch = bad.shape[1] if bad is not None else 0
+    sink = attn_sink if attn_sink is not None else lse_out
     _merge_pieces_kernel[(Q, triton.cdiv(H, BH))](
-        o, lse, lse.stride(0), lse.stride(2), lse.stride(1), sink, bad if bad is not None else dummy, out, lse_out,
+        o, lse, lse.stride(0), lse.stride(2), lse.stride(1), sink, badc, nch, out, lse_out,
         H, P=P, DV=DV, BH=BH, HAS_SINK=attn_sink is not None, POISON=bad is not None, num_warps=4, **LAUNCH_OPTS)
     return out, lse_out
+
+
+def supports(q, positions, d_nope: int = 512, d_rope: int = 64, pieces_per_row: int | None = None) -> str | None:
+    """None when this path can take the call on this machine, else why not (a static property of the device, the
+    library and the model shape: never of the batch)."""
+    P = PIECES_PER_ROW if pieces_per_row is None else int(pieces_per_row)
+    if q.device.type != "cuda":
+        return f"needs CUDA tensors, got {q.device}"
+    if (d_nope, d_rope) != (512, 64):
+        return f"FlashMLA reads the 656-byte layout only (d_nope 512, d_rope 64), got {d_nope}, {d_rope}"
+    if q.dim() != 3 or q.shape[1] not in (64, 128):
+        return f"FlashMLA's decode kernel takes 64 or 128 heads, got q {tuple(q.shape)}"
+    K = positions.shape[-1]
+    if P < 1 or K == 0 or K % (TOPK_BLOCK * P):
+        return f"the index-list width {K} is not a multiple of {TOPK_BLOCK} x {P} pieces"
+    try:
+        _flashmla()
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def _flashmla():
@@ -399,7 +441,7 @@ def sparse_mla_attention_flashmla_fp8(q, cache, block_table, req_ids, positions,
         return out, lse
     _fm, op = _flashmla()
     nb, bs, _ = cache.shape
-    idx, bad = translate_positions(block_table, req_ids, positions, nb, bs)
+    idx, bad = _translate(block_table, req_ids, positions, nb, bs)
     parts = num_sm_parts(H, D, P, q.device)
     blocks = K // (TOPK_BLOCK * P)
     step = rows_per_launch(P)
@@ -443,5 +485,6 @@ def _finish(kernel_lse, out, lse, bad, H, d_nope):
     N = H * d_nope
     poison = bad is not None
     grid = (n, triton.cdiv(N, 4096) if poison else 1)
-    _finish_rows_kernel[grid](out, kernel_lse, s0, s1, lse, bad if poison else lse, H, N, POISON=poison,
+    _finish_rows_kernel[grid](out, kernel_lse, s0, s1, lse, bad if poison else lse, bad.shape[1] if poison else 0,
+                              H, N, POISON=poison,
                               BLOCK=4096, BLOCK_H=triton.next_power_of_2(H), num_warps=4, **LAUNCH_OPTS)

@@ -13,7 +13,10 @@ Two entry points:
   d_nope=512, d_rope=64, seq_lens=None, rows_per_chunk=256, workspace="per_row", check=True, backend=None,
   gather_backend=None, split_variant=None) -> (out, lse)``: THE read path.
   Query row r attends to the request-local ``positions[r]`` (int32 [Q, W], e.g. the DSA Top-K output,
-  -1 = empty) of request ``req_ids[r]``: ``kv_cache.gather_kv`` dequantises those positions into a
+  -1 = empty) of request ``req_ids[r]``. ``backend=None`` runs ``default_read_backend``: "flashmla_fp8"
+  (FlashMLA's FP8 decode kernel reading the cache in place under zerodiff's fixed schedule,
+  ``zerodiff.ops.flashmla_fp8_decode``) wherever it can take the shape (CUDA, FlashMLA importable, 64/128
+  heads, d 512 + 64, W a multiple of 64 x pieces), else the workspace path: ``kv_cache.gather_kv`` dequantises those positions into a
   per-row BF16 workspace [rows, W, d_nope + d_rope] (W from model limits: max top-k plus window), then
   ``sparse_attention`` runs over it with indices ``r * W + j`` in the given order. Prefill, chunked
   prefill, decode and training all call this; query rows are processed in fixed chunks of
@@ -392,10 +395,21 @@ def sparse_mla_attention_fp8(q, cache, block_table, req_ids, positions, sm_scale
     return out, lse
 
 
-#: the backend ``sparse_mla_attention(backend=None)`` runs (None: the workspace path with ``sparse_attention``'s
-#: default pick). Rollout and training read the same constant; ``zerodiff check/bench --attn-backend`` sets it.
+#: the backend ``sparse_mla_attention(backend=None)`` runs. None: ``default_read_backend`` decides from the device,
+#: the library and the model shape ("flashmla_fp8" where FlashMLA's FP8 decode kernel can take the shape, else the
+#: workspace path with ``sparse_attention``'s default pick). Rollout and training read the same constant;
+#: ``zerodiff check/bench --attn-backend`` sets it.
 READ_BACKEND = None
 READ_BACKENDS = ("flashmla", "triton", "reference", "triton_fp8", "triton_fp8_split", "flashmla_fp8")
+
+
+def default_read_backend(q, positions, d_nope: int = 512, d_rope: int = 64):
+    """What ``sparse_mla_attention(backend=None)`` runs when ``READ_BACKEND`` is None: "flashmla_fp8" (FlashMLA's FP8
+    decode kernel under zerodiff's fixed schedule) where it can take the call, else None (the workspace path).
+    Depends on the device, the library and the model shape only, so rollout and training pick the same."""
+    from .flashmla_fp8_decode import supports
+
+    return "flashmla_fp8" if supports(q, positions, d_nope, d_rope) is None else None
 
 
 def sparse_mla_attention(q, cache, block_table, req_ids, positions, sm_scale: float, *, attn_sink=None,
@@ -404,7 +418,10 @@ def sparse_mla_attention(q, cache, block_table, req_ids, positions, sm_scale: fl
                          split_variant: str | None = None):
     Q = q.shape[0]
     if backend is None:
-        backend = READ_BACKEND
+        if READ_BACKEND is not None:
+            backend = READ_BACKEND
+        elif gather_backend is None:  # a gather backend asks for the workspace path
+            backend = default_read_backend(q, positions, d_nope, d_rope)
     if split_variant is not None and backend != "triton_fp8_split":
         raise ValueError(f"zerodiff.sparse_attention: split_variant={split_variant!r} applies to "
                          f"backend='triton_fp8_split' only, not backend={backend!r}")
