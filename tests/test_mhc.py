@@ -556,6 +556,29 @@ def test_gpu_pre_victim_in_batch(H):
                     _assert_rows_equal(a[pos], b[0], f"H={H} {name}: victim at {pos} of T={T}, round {rnd}")
 
 
+@pytest.mark.gpu
+def test_gpu_one_binary_for_every_token_count():
+    """do_not_specialize=["T"]: decode rows (T = 1), multiples of 16 and the rest run the SAME compiled kernels.
+    Control: the counter sees a new binary when a constexpr really changes (another hidden size)."""
+    H = 4096
+    g, fn, scale, base, _victim = _gpu_case(H, 13)
+    mhc.mhc_pre(_streams(g, 5, H, "cuda"), fn, scale, base)
+    kernels = [k for k in (getattr(mhc, n, None) for n in dir(mhc)) if hasattr(k, "device_caches")]
+    before = {id(k): zt.compiled_binary_count(k) for k in kernels}
+    if any(v is None for v in before.values()):
+        pytest.skip("this Triton keeps its kernel cache in another layout; cannot count binaries")
+    for T in (1, 16, 17, 32, 64, 3):
+        mhc.mhc_pre(_streams(g, T, H, "cuda"), fn, scale, base)
+    after = {id(k): zt.compiled_binary_count(k) for k in kernels}
+    grew = [k.fn.__name__ for k in kernels if after[id(k)] != before[id(k)]]
+    assert not grew, f"new binaries compiled for another token count: {grew}"
+    H2 = 2048  # control: another hidden size is another constexpr set, so the counter must move
+    g2, fn2, scale2, base2, _ = _gpu_case(H2, 14)
+    mhc.mhc_pre(_streams(g2, 5, H2, "cuda"), fn2, scale2, base2)
+    moved = {id(k): zt.compiled_binary_count(k) for k in kernels}
+    assert any(moved[i] != after[i] for i in moved), "the binary counter did not move for a new hidden size"
+
+
 def _assert_close_bf16(out, ref_out, mean_frac=2.0**-8):
     """Closeness of a BF16 stream aggregate to the float64 reference: 2^-7 relative plus ``mean_frac`` (2^-8) of
     the row's mean magnitude. A pure ulp bound is wrong here: elements near zero come from cancelling sums, where

@@ -359,6 +359,25 @@ def test_gpu_fp8_rule_and_tolerance(seeded, ue8m0):
 
 
 @pytest.mark.gpu
+def test_gpu_one_binary_for_every_row_count(seeded):
+    """do_not_specialize on the row count: M = 1, multiples of 16 and the rest run the same compiled kernel.
+    Control: the counter moves when a constexpr really changes (the quantised variant)."""
+    from zerodiff.ops import silu_mul_quant as smq
+
+    g = seeded()
+    N = 2048
+    silu_mul(_rand(g, (5, 2 * N)).cuda())
+    before = zt.compiled_binary_count(smq._silu_mul_kernel)
+    if before is None:
+        pytest.skip("this Triton keeps its kernel cache in another layout; cannot count binaries")
+    for M in (1, 16, 17, 32, 64, 3):
+        silu_mul(_rand(g, (M, 2 * N)).cuda())
+    assert zt.compiled_binary_count(smq._silu_mul_kernel) == before, "new binaries for another row count"
+    silu_mul_quant_fp8(_rand(g, (5, 2 * N)).cuda())
+    assert zt.compiled_binary_count(smq._silu_mul_kernel) > before, "the counter did not see a new constexpr set"
+
+
+@pytest.mark.gpu
 def test_gpu_masked_equals_contiguous(seeded):
     g = seeded()
     E, C, N = 8, 160, 2048

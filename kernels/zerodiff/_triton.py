@@ -65,6 +65,22 @@ def pick_backend(op: str, backend, device, *, interpreter_default: bool = False)
     return backend
 
 
+def compiled_binary_count(kernel) -> int | None:
+    """How many binaries Triton holds for a ``@triton.jit`` kernel over all devices (None when this Triton keeps
+    its cache in a layout not known here). Tests use it to check that ``do_not_specialize`` keeps one binary for
+    every row count."""
+    caches = getattr(kernel, "device_caches", None)
+    if not isinstance(caches, dict):
+        return None
+    total = 0
+    for entry in caches.values():
+        first = entry[0] if isinstance(entry, tuple) else entry
+        if not isinstance(first, dict):
+            return None
+        total += len(first)
+    return total
+
+
 def triton_usable_for(device) -> bool:
     """True when a Triton kernel can run on tensors living on ``device``."""
     if not HAVE_TRITON:

@@ -190,7 +190,7 @@ if zt.HAVE_TRITON:
         else:
             return x.to(tl.float32)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one binary for every token count (T == 1 included)
     def _mhc_prenorm_gemm_kernel(
         x_ptr, fn_ptr, mix_ptr, sq_ptr, T, K, K_PER_SPLIT,
         NMIX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -242,7 +242,7 @@ if zt.HAVE_TRITON:
     def _sigmoid_rn(z):
         return tl.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + tl.exp(-z))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one binary for every token count (T == 1 included)
     def _mhc_pre_epilogue_kernel(
         mix_ptr, sq_ptr, scale_ptr, base_ptr, res_ptr, li_ptr, post_ptr, comb_ptr,
         T, H, K, rms_eps, pre_eps, sk_eps, post_mult, ITERS,
@@ -303,7 +303,7 @@ if zt.HAVE_TRITON:
                 acc = acc + pi * _bf16_to_f32(tl.load(rbase + i * H + offs, mask=hm, other=0.0), EXACT)
             tl.store(out_ptr + row * H + offs, zt.cast_bf16(acc, EXACT), mask=hm)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one binary for every token count (T == 1 included)
     def _hc_head_epilogue_kernel(
         mix_ptr, sq_ptr, scale_ptr, base_ptr, res_ptr, out_ptr, T, H, K, rms_eps, hc_eps, S,
         NH: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr,
@@ -359,7 +359,7 @@ if zt.HAVE_TRITON:
         w3 = (r2.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
         return w1, w2, w3
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one binary for every token count (T == 1 included)
     def _prenorm_splitk_kernel(
         x_ptr, fn_ptr, mix_ptr, sq_ptr, T, K,
         NMIX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -414,7 +414,7 @@ if zt.HAVE_TRITON:
         launch config (never by T); padded splits load +0."""
         return tl.sum(tl.load(ptr + offs, mask=smask, other=0.0), axis=0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one binary for every token count (T == 1 included)
     def _mhc_pre_epilogue_splits_kernel(
         mix_ptr, sq_ptr, scale_ptr, base_ptr, res_ptr, li_ptr, post_ptr, comb_ptr,
         T, H, K, rms_eps, pre_eps, sk_eps, post_mult, ITERS,
@@ -454,7 +454,7 @@ if zt.HAVE_TRITON:
         tl.store(comb_ptr + row * NH * NH + ii * NH + jj, c)
         _aggregate_row(pre, res_ptr, li_ptr, row, H, NH, BLOCK_H, EXACT)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one binary for every token count (T == 1 included)
     def _hc_head_epilogue_splits_kernel(
         mix_ptr, sq_ptr, scale_ptr, base_ptr, res_ptr, out_ptr, T, H, K, rms_eps, hc_eps,
         S: tl.constexpr, SP: tl.constexpr, NH: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr,

@@ -59,7 +59,9 @@ if zt.HAVE_TRITON:
 
     bf16_to_f32 = zt.bf16_to_f32
 
-    @triton.jit
+    # one binary for every row count: the row count and the per-expert strides (which scale with it) are not
+    # specialised (Triton would otherwise compile C == 1 and C % 16 == 0 separately)
+    @triton.jit(do_not_specialize=["C", "sx_e", "so_e", "ss_e"])
     def _silu_mul_kernel(x_ptr, o_ptr, s_ptr, cnt_ptr, C, N, limit,
                          sx_e, sx_c, so_e, so_c, ss_e, ss_c,
                          MASKED: tl.constexpr, QUANT: tl.constexpr, HAS_LIMIT: tl.constexpr,
