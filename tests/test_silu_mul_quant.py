@@ -361,7 +361,7 @@ def test_gpu_fp8_rule_and_tolerance(seeded, ue8m0):
 @pytest.mark.gpu
 def test_gpu_one_binary_for_every_row_count(seeded):
     """do_not_specialize on the row count: M = 1, multiples of 16 and the rest run the same compiled kernel.
-    Control: the counter moves when a constexpr really changes (the quantised variant)."""
+    Control: the counter moves when a constexpr really changes (a quantised variant no other test compiles)."""
     from zerodiff.ops import silu_mul_quant as smq
 
     g = seeded()
@@ -373,7 +373,8 @@ def test_gpu_one_binary_for_every_row_count(seeded):
     for M in (1, 16, 17, 32, 64, 3):
         silu_mul(_rand(g, (M, 2 * N)).cuda())
     assert zt.compiled_binary_count(smq._silu_mul_kernel) == before, "new binaries for another row count"
-    silu_mul_quant_fp8(_rand(g, (5, 2 * N)).cuda())
+    # a constexpr set no other test compiles (quant group 32, UE8M0 scales, clamp), so the binary must be new
+    silu_mul_quant_fp8(_rand(g, (5, 2 * N)).cuda(), group=32, ue8m0=True, clamp_limit=3.0)
     assert zt.compiled_binary_count(smq._silu_mul_kernel) > before, "the counter did not see a new constexpr set"
 
 
