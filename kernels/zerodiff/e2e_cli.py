@@ -158,7 +158,8 @@ def _kernel_variants(args) -> dict:
             raise SystemExit(f"zerodiff: --attn-backend {attn!r} is not one of {list(sa.READ_BACKENDS)}")
         sa.READ_BACKEND = attn
     return {"mhc": mhc.DEFAULT_VARIANT, "mhc_head": mhc.DEFAULT_HEAD_VARIANT, "topk": topk.VARIANT,
-            "attention_read": sa.READ_BACKEND or "default", "attention_pieces": _pieces()}
+            "attention_read": sa.READ_BACKEND or "default: flashmla_fp8 where supported, else workspace",
+            "attention_pieces": _pieces()}
 
 
 def _pieces():
