@@ -190,6 +190,38 @@ def test_bad_inputs_are_refused():
         fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos.long(), 0.1)
 
 
+def test_sanitize_indices_kernel_and_torch_path_agree():
+    """Global indices: -1 and in-cache entries pass, anything else becomes -1 and flags its chunk (interpreter
+    kernel vs the torch path of the same function)."""
+    g = torch.Generator().manual_seed(5)
+    Q, K, cap = 4, 1100, 300
+    v = torch.randint(-1, cap, (Q, K), generator=g, dtype=torch.int32)
+    v[1, 1050] = cap  # just past the cache, last chunk
+    v[2, 3] = -7
+    ref_idx = torch.where((v >= 0) & (v < cap), v, torch.full_like(v, -1))
+    idx, bad = fd.sanitize_indices(v, cap)
+    assert torch.equal(idx, ref_idx)
+    assert bad.tolist() == [[0, 0, 0], [0, 0, 1], [1, 0, 0], [0, 0, 0]]
+
+
+def test_global_entry_bad_inputs_are_refused():
+    q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 64, 656, dtype=torch.uint8)
+    idx = torch.zeros(2, 128, dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        fd.flashmla_fp8_attention(q, cache, idx, 0.1)
+    with pytest.raises(ValueError, match="d_qk=600"):
+        fd.flashmla_fp8_attention(torch.zeros(2, 64, 600, dtype=torch.bfloat16), cache, idx, 0.1)
+    with pytest.raises(ValueError, match="584"):  # the V4 width needs the V4 layout
+        fd.flashmla_fp8_attention(torch.zeros(2, 64, 512, dtype=torch.bfloat16), cache, idx, 0.1)
+    with pytest.raises(ValueError, match="64 or 128 heads"):
+        fd.flashmla_fp8_attention(torch.zeros(2, 32, 576, dtype=torch.bfloat16), cache, idx, 0.1)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        fd.flashmla_fp8_attention(q, cache, idx[:, :100], 0.1)
+    with pytest.raises(ValueError, match="indices must be int32"):
+        fd.flashmla_fp8_attention(q, cache, idx.long(), 0.1)
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 GPU_TOPK = 2048
 SC = 1 / math.sqrt(576)
@@ -388,3 +420,93 @@ def test_gpu_negative_controls_stock_schedule_other_pieces_reversed_order():
     assert torch.allclose(other.float(), ours.float(), atol=2e-2, rtol=2e-2)
     rev = _call(q, cache, bt, req, pos.flip(-1).contiguous())[0]
     assert not torch.equal(rev, ours), "reversed index order must change the output"
+
+
+# ---- the global-index entry, and the DeepSeek-V4 cache layout (584 bytes per token, d_qk 512)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1, 2])
+def test_gpu_global_indices_give_the_request_local_bits(S):
+    _need()
+    cache, bt, pos, q = _setup(6, 4096, seed=8)
+    req = torch.arange(6, dtype=torch.int32, device="cuda")
+    sink = torch.linspace(-1, 1, 64, device="cuda")
+    idx, _bad = fd.translate_positions(bt, req, pos, cache.shape[0], cache.shape[1])
+    a = _call(q, cache, bt, req, pos, S, sink)
+    b = fd.flashmla_fp8_attention(q, cache, idx, SC, attn_sink=sink, pieces_per_row=S)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    idx2 = idx.clone()
+    idx2[4, 7] = cache.shape[0] * cache.shape[1]  # past the cache: not read, the row is NaN
+    c = fd.flashmla_fp8_attention(q, cache, idx2, SC, attn_sink=sink, pieces_per_row=S)
+    assert bool(torch.isnan(c[0][4].float()).all()) and bool(torch.isnan(c[1][4]).all())
+    for r in (0, 1, 2, 3, 5):
+        assert torch.equal(c[0][r], a[0][r])
+
+
+def _v4_cache(nb, bs, seed):
+    """A valid DeepSeek-V4 FP8 cache (per page block: bs data rows of 448 e4m3 + 64 bf16, then bs rows of 7 e8m0
+    scales + 1 pad byte) and its float64 dequantisation [nb * bs, 512]."""
+    g = torch.Generator().manual_seed(seed)
+    n = nb * bs
+    nope = (torch.randn(n, 448, generator=g) * 2).to(torch.float8_e4m3fn)
+    nope.view(torch.uint8)[::53, ::9] = 0  # zeros
+    rope = torch.randn(n, 64, generator=g).to(torch.bfloat16)
+    e = torch.randint(122, 131, (n, 7), generator=g, dtype=torch.int32)
+    raw = torch.zeros(nb, bs * 584, dtype=torch.uint8)
+    data = raw[:, : bs * 576].view(nb, bs, 576)
+    data[:, :, :448] = nope.view(torch.uint8).view(nb, bs, 448)
+    data[:, :, 448:] = rope.view(torch.uint8).view(nb, bs, 128)
+    scales = raw[:, bs * 576:].view(nb, bs, 8)
+    scales[:, :, :7] = e.to(torch.uint8).view(nb, bs, 7)
+    deq = torch.cat([(nope.double().view(n, 7, 64) * torch.pow(2.0, (e - 127).double())[..., None]).view(n, 448),
+                     rope.double()], 1)
+    return raw.view(nb, bs, 1, 584), deq
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1, 2])
+def test_gpu_v4_layout_reference_victim_in_batch_and_stock_control(S):
+    fm = _need()
+    nb, bs, H, K = 300, 64, 64, 512
+    raw, deq = _v4_cache(nb, bs, seed=9)
+    cache = raw.cuda()
+    g = torch.Generator().manual_seed(10)
+    npool = 150
+    idx = torch.stack([torch.randperm(nb * bs, generator=g)[:K] for _ in range(npool)]).to(torch.int32)
+    idx[3, 200:] = -1
+    q = (torch.randn(npool, H, 512, generator=g) * 0.5).to(torch.bfloat16)
+    sc = 1 / math.sqrt(512)
+    sink = torch.linspace(-1, 1, H)
+    o, l = fd.flashmla_fp8_attention(q.cuda(), cache, idx.cuda(), sc, attn_sink=sink.cuda(), pieces_per_row=S)
+    for r in (0, 3, 77):  # float64 reference
+        ok = idx[r] >= 0
+        kv = deq[idx[r][ok].long()]
+        s_ = (q[r].double() @ kv.T) * sc
+        lse = torch.logsumexp(s_, dim=-1)
+        ref = (torch.softmax(s_, dim=-1) @ kv) / (1 + torch.exp(sink.double() - lse))[:, None]
+        assert torch.allclose(o[r].cpu().double(), ref, atol=2e-2, rtol=2e-2), r
+        assert torch.allclose(l[r].cpu().double(), lse, atol=5e-3, rtol=1e-4), r
+    qc, ic, skc = q.cuda(), idx.cuda(), sink.cuda()
+    parts = fd.num_sm_parts(H, 512, S)
+    gg = torch.Generator().manual_seed(12)
+    for victim in (0, 77):
+        alone = fd.flashmla_fp8_attention(qc[victim:victim + 1], cache, ic[victim:victim + 1], sc, attn_sink=skc,
+                                          pieces_per_row=S)
+        for B in sorted({2, parts - 1, parts, parts + 1, 2 * parts + 1, 300}):
+            others = torch.randint(0, npool, (B - 1,), generator=gg).cuda()
+            for where in sorted({0, B // 2, B - 1}):
+                rows = torch.cat([others[:where], torch.tensor([victim], device="cuda"), others[where:]])
+                ob, lb = fd.flashmla_fp8_attention(qc[rows], cache, ic[rows], sc, attn_sink=skc, pieces_per_row=S)
+                assert torch.equal(ob[where], alone[0][0]) and torch.equal(lb[where], alone[1][0]), (S, victim, B, where)
+
+    def stock(rows):
+        meta, _ = fm.get_mla_metadata()
+        out, _l = fm.flash_mla_with_kvcache(qc[rows][:, None], cache, None, None, 512, meta, softmax_scale=sc,
+                                            is_fp8_kvcache=True, indices=ic[rows][:, None].contiguous())
+        return out[:, 0]
+
+    full = stock(torch.arange(128, device="cuda"))
+    alone_s = stock(torch.zeros(1, dtype=torch.long, device="cuda"))
+    ours0 = fd.flashmla_fp8_attention(qc[:1], cache, ic[:1], sc, pieces_per_row=S)[0][0]
+    assert torch.allclose(full[0].float(), ours0.float(), atol=2e-2, rtol=2e-2), "stock reads the layout otherwise"
+    assert int((full[0] != alone_s[0]).sum()) > 0, "the stock scheduler did not change row 0 on the V4 layout"

@@ -29,6 +29,10 @@ Public API:
   int32 [B, max_blocks], ``req_ids`` int32 [Q], ``positions`` int32 [Q, K] request-local (-1 = empty), K fixed by
   the model (max top-k), never by the batch. Returns ``out`` bf16 [Q, H, 512] and ``lse`` fp32 [Q, H] (natural
   log; +inf and out 0 for a row without any valid position).
+* ``flashmla_fp8_attention(q, kv_cache, indices, sm_scale, *, attn_sink=None, pieces_per_row=None, out=None)
+  -> (out, lse)``: the same call on caller-given GLOBAL token indices (block id * block size + offset, -1 = skip),
+  for the V3.2 layout (d_qk 576, 656 bytes) and the DeepSeek-V4 layout (d_qk 512, 584 bytes per token:
+  ``LAYOUT_BYTES``); indices outside the cache are not read and make their row NaN. No host synchronisation.
 * ``fixed_schedule(rows, num_sm_parts, blocks_per_row, device) -> (metadata, num_splits)``: the schedule table
   (int32 [num_sm_parts, 8]) and cumulative split counts (int32 [rows + 1]).
 * ``schedule_pieces(metadata, num_splits, rows, blocks_per_row) -> list``: how the kernel consumes a table (the
@@ -104,6 +108,20 @@ if HAVE_TRITON:
         idx = tl.where(ok, blk * BLOCK_SIZE + (p - lb * BLOCK_SIZE), -1)
         tl.store(idx_ptr + r.to(tl.int64) * K + offs, idx, mask=inside)
         nbad = ((valid & (ok == 0)) | (p < -1)).to(tl.int32)
+        tl.store(badp_ptr + r * NCH + c, (tl.sum(nbad, axis=0) > 0).to(tl.int32))
+
+    @triton.jit
+    def _sanitize_kernel(in_ptr, in_s0, idx_ptr, badp_ptr, K, NCH, capacity, BLOCK_K: tl.constexpr):
+        """Row r, entries [c * BLOCK_K, +BLOCK_K) of caller-given global token indices: copied where -1 or inside
+        the cache, -1 elsewhere; badp[r, c] = 1 when an entry was < -1 or >= capacity (the row will be NaN)."""
+        r = tl.program_id(0)
+        c = tl.program_id(1)
+        offs = c * BLOCK_K + tl.arange(0, BLOCK_K)
+        inside = offs < K
+        v = tl.load(in_ptr + r.to(tl.int64) * in_s0 + offs, mask=inside, other=-1)
+        ok = (v >= 0) & (v < capacity)
+        tl.store(idx_ptr + r.to(tl.int64) * K + offs, tl.where(ok, v, -1), mask=inside)
+        nbad = ((v < -1) | (v >= capacity)).to(tl.int32)
         tl.store(badp_ptr + r * NCH + c, (tl.sum(nbad, axis=0) > 0).to(tl.int32))
 
     @triton.jit
@@ -358,11 +376,18 @@ def _flashmla():
     return fm, op
 
 
+#: FlashMLA's FP8 sparse cache layouts this module schedules, by query/key width d_qk: bytes per token.
+#: 576: DeepSeek-V3.2 (512 e4m3 | 4 fp32 scales | 64 bf16 rope), zerodiff.ops.kv_cache's layout.
+#: 512: DeepSeek-V4 (per page block: block_size data rows of 448 e4m3 + 64 bf16, then block_size rows of 7 e8m0
+#: scales + 1 pad byte), vLLM's DeepSeek-V4 cache.
+LAYOUT_BYTES = {576: 656, 512: 584}
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sm_parts_cached(device_index: int, h_q: int, d_qk: int, pieces: int) -> int:
     _fm, op = _flashmla()
     dev = torch.device("cuda", device_index)
-    bpt = _kv.bytes_per_token(512, 64)
+    bpt = LAYOUT_BYTES[d_qk]
     cache = torch.zeros(1, TOPK_BLOCK, 1, bpt, dtype=torch.uint8, device=dev)
     q = torch.zeros(1, pieces, h_q, d_qk, dtype=torch.bfloat16, device=dev)
     idx = torch.zeros(1, pieces, TOPK_BLOCK, dtype=torch.int32, device=dev)
@@ -439,38 +464,124 @@ def sparse_mla_attention_flashmla_fp8(q, cache, block_table, req_ids, positions,
     lse = torch.empty(Q, H, dtype=torch.float32, device=q.device)
     if Q == 0:
         return out, lse
-    _fm, op = _flashmla()
     nb, bs, _ = cache.shape
     idx, bad = _translate(block_table, req_ids, positions, nb, bs)
+    _run_fixed(q, cache.view(nb, bs, 1, cache.shape[2]), idx, sm_scale, attn_sink, P, out, lse,
+               None if check else bad, _q_copy)
+    return out, lse
+
+
+def flashmla_fp8_attention(q, kv_cache, indices, sm_scale: float, *, attn_sink=None, pieces_per_row: int | None = None,
+                           out=None):
+    """The same fixed-schedule kernel call on caller-given GLOBAL token indices (what vLLM's sparse backends hold).
+
+    ``q`` bf16 [Q, H, d_qk] (H 64 or 128; d_qk 576 for the V3.2 layout, 512 for the V4 layout, ``LAYOUT_BYTES``);
+    ``kv_cache`` uint8 [num_blocks, block_size, bytes] or [num_blocks, block_size, 1, bytes] in that layout (the
+    whole cache one allocation); ``indices`` int32 [Q, K] = block id * block_size + offset, -1 = skip, K a multiple
+    of 64 x pieces. Returns ``out`` bf16 [Q, H, 512] and ``lse`` fp32 [Q, H]; the same numerical contract as the
+    module's other entry point. No host synchronisation: an index < -1 or past the cache is not read and makes
+    its row NaN (out and lse)."""
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 3:
+        raise ValueError(f"zerodiff.flashmla_fp8: q must be bf16 [Q, H, d_qk], got {getattr(q, 'dtype', type(q))} "
+                         f"{tuple(getattr(q, 'shape', ()))}")
+    Q, H, D = q.shape
+    if D not in LAYOUT_BYTES:
+        raise ValueError(f"zerodiff.flashmla_fp8: d_qk={D} is not a FlashMLA FP8 sparse layout this module schedules "
+                         f"(one of {sorted(LAYOUT_BYTES)})")
+    if H not in (64, 128):
+        raise ValueError(f"zerodiff.flashmla_fp8: FlashMLA's decode kernel takes 64 or 128 heads, got {H}")
+    bpt = LAYOUT_BYTES[D]
+    if kv_cache.dim() == 3:
+        kv_cache = kv_cache.unsqueeze(2)
+    if (kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or kv_cache.shape[3] != bpt
+            or not kv_cache.is_contiguous()):
+        raise ValueError(f"zerodiff.flashmla_fp8: kv_cache must be contiguous uint8 [num_blocks, block_size, (1,) {bpt}] "
+                         f"for d_qk={D}, got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != Q:
+        raise ValueError(f"zerodiff.flashmla_fp8: indices must be int32 [{Q}, K], got {indices.dtype} {tuple(indices.shape)}")
+    if attn_sink is not None and (attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (H,)):
+        raise ValueError(f"zerodiff.flashmla_fp8: attn_sink must be fp32 [{H}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
+    for name, t in (("kv_cache", kv_cache), ("indices", indices)):
+        if t.device != q.device:
+            raise ValueError(f"zerodiff.flashmla_fp8: {name} is on {t.device}, q on {q.device}")
+    K = indices.shape[1]
+    P = PIECES_PER_ROW if pieces_per_row is None else int(pieces_per_row)
+    if P < 1 or K == 0 or K % (TOPK_BLOCK * P):
+        raise ValueError(f"zerodiff.flashmla_fp8: the index-list width K={K} must be a positive multiple of "
+                         f"{TOPK_BLOCK} x pieces_per_row={P}")
+    if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (Q, H, 512) or not out.is_contiguous()):
+        raise ValueError(f"zerodiff.flashmla_fp8: out must be contiguous bf16 [{Q}, {H}, 512], got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if q.device.type != "cuda":
+        raise ValueError(f"zerodiff.flashmla_fp8: needs CUDA tensors, got {q.device}")
+    if out is None:
+        out = torch.empty(Q, H, 512, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(Q, H, dtype=torch.float32, device=q.device)
+    if Q == 0:
+        return out, lse
+    idx, bad = sanitize_indices(indices, kv_cache.shape[0] * kv_cache.shape[1])
+    _run_fixed(q, kv_cache, idx, sm_scale, attn_sink, P, out, lse, bad, False)
+    return out, lse
+
+
+def sanitize_indices(indices, capacity: int):
+    """Caller-given global token indices -> (indices the kernel may read: -1 where the input was < -1 or >=
+    ``capacity``, per-chunk flags int32 [Q, ceil(K / TRANSLATE_BLOCK)] of rows holding such an entry)."""
+    Q, K = indices.shape
+    nch = max(1, -(-K // TRANSLATE_BLOCK))
+    idx = torch.empty(Q, K, dtype=torch.int32, device=indices.device)
+    bad = torch.empty(Q, nch, dtype=torch.int32, device=indices.device)
+    if Q == 0:
+        return idx, bad
+    if HAVE_TRITON and triton_usable_for(indices.device):
+        src = indices if indices.stride(1) == 1 else indices.contiguous()
+        _sanitize_kernel[(Q, nch)](src, src.stride(0), idx, bad, K, nch, capacity, BLOCK_K=TRANSLATE_BLOCK,
+                                   num_warps=4, **LAUNCH_OPTS)
+        return idx, bad
+    v = indices.long()
+    ok = (v >= 0) & (v < capacity)
+    idx.copy_(torch.where(ok, v, torch.full_like(v, -1)))
+    flag = ((v < -1) | (v >= capacity)).int()
+    pad = nch * TRANSLATE_BLOCK - K
+    bad.copy_(torch.nn.functional.pad(flag, (0, pad)).view(Q, nch, TRANSLATE_BLOCK).amax(dim=2))
+    return idx, bad
+
+
+def _run_fixed(q, kcache, idx, sm_scale, attn_sink, P, out, lse, bad, q_copy):
+    """The kernel launches under the fixed schedule (rows in launches of ``rows_per_launch(P)``), then the merge
+    (P > 1) or the lse copy (P = 1); rows flagged in ``bad`` (per-chunk flags, or None) come out NaN."""
+    _fm, op = _flashmla()
+    Q, H, D = q.shape
+    K = idx.shape[1]
+    d_v = 512
     parts = num_sm_parts(H, D, P, q.device)
     blocks = K // (TOPK_BLOCK * P)
     step = rows_per_launch(P)
-    kcache = cache.view(nb, bs, 1, cache.shape[2])
     q = q if q.stride(2) == 1 else q.contiguous()
-    pieces_out = None if P == 1 else torch.empty(Q, P, H, d_nope, dtype=torch.bfloat16, device=q.device)
+    pieces_out = None if P == 1 else torch.empty(Q, P, H, d_v, dtype=torch.bfloat16, device=q.device)
     for r0 in range(0, Q, step):
         r1 = min(Q, r0 + step)
         n = r1 - r0
         meta, splits = _schedule(n, parts, blocks, q.device)
         # the P pieces of a row are P query positions sharing the row's q (a stride-0 axis, no copy)
         qp = q[r0:r1].unsqueeze(1).expand(n, P, H, D)
-        if _q_copy:
+        if q_copy:
             qp = qp.contiguous()
         ip = idx[r0:r1].view(n, P, K // P)
+        rb = None if bad is None else bad[r0:r1]
         if P == 1:
-            res = op(qp, kcache, ip, None, attn_sink, meta, splits, None, None, None, d_nope, float(sm_scale),
+            res = op(qp, kcache, ip, None, attn_sink, meta, splits, None, None, None, d_v, float(sm_scale),
                      out[r0:r1].unsqueeze(1), False)
-            _finish(res[1], out[r0:r1], lse[r0:r1], None if check else bad[r0:r1], H, d_nope)
+            _finish(res[1], out[r0:r1], lse[r0:r1], rb, H, d_v)
         else:
-            res = op(qp, kcache, ip, None, None, meta, splits, None, None, None, d_nope, float(sm_scale),
+            res = op(qp, kcache, ip, None, None, meta, splits, None, None, None, d_v, float(sm_scale),
                      pieces_out[r0:r1], False)
             kl = res[1]
             if tuple(kl.shape) == (n, H, P):
                 kl = kl.transpose(1, 2)
             elif tuple(kl.shape) != (n, P, H):
                 raise RuntimeError(f"zerodiff.flashmla_fp8: unexpected lse shape {tuple(kl.shape)} from FlashMLA")
-            merge_pieces(pieces_out[r0:r1], kl, attn_sink, None if check else bad[r0:r1], out[r0:r1], lse[r0:r1])
-    return out, lse
+            merge_pieces(pieces_out[r0:r1], kl, attn_sink, rb, out[r0:r1], lse[r0:r1])
 
 
 def _finish(kernel_lse, out, lse, bad, H, d_nope):
