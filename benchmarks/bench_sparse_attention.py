@@ -322,7 +322,10 @@ def sweep_variants_prefill(ctx, T, k, reps, rows, variants):
     torch.cuda.empty_cache()
 
 
-def bench_prefill(ctx, T, k, reps, rows):
+def prefill_case(ctx, T, k):
+    """T prefill rows of one request (the last T tokens of a ctx-long request, each seeing its causal top-k) and
+    the vLLM-style stock prefill on them (torch dequantisation of the request, then ``flash_mla_sparse_fwd``).
+    Returns (cache, block_table, positions, req_ids, q, sm_scale, seq_lens, stock_fn)."""
     fm = backends.flash_mla()
     cache, bt = make_cache(1, ctx, gen_seed=1)
     # rows = the last T tokens of the request; row t sees positions <= ctx - T + t
@@ -346,17 +349,23 @@ def bench_prefill(ctx, T, k, reps, rows):
         kv = torch.cat([nope, rows_[:, 528:].contiguous().view(torch.bfloat16)], 1)
         return fm.flash_mla_sparse_fwd(q, kv[:, None], pos[:, None], sc, DV)
 
+    return cache, bt, pos, req, q, sc, lens, stock
+
+
+def bench_prefill(ctx, T, k, reps, rows):
+    cache, bt, pos, req, q, sc, lens, stock = prefill_case(ctx, T, k)
+
     def ours():
         return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="triton_fp8_split")
 
-    def workspace():
+    def workspace():  # host-synchronising (data-dependent workspace): timed eagerly
         return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="flashmla",
                                        workspace="per_request", seq_lens=lens)
 
     err: dict = {}
     s_ms = safe_ms(stock, err, "stock", rep=reps)
     o_ms = safe_ms(ours, err, "ours", rep=reps)
-    w_ms = safe_ms(workspace, err, "workspace", rep=reps)
+    w_ms = safe_ms(workspace, err, "workspace", rep=reps, graph=False)
     rows.append(row("prefill_split", f"T={T} ctx={ctx} topk={k}", o_ms, s_ms,
                     "torch dequant + flash_mla_sparse_fwd (vLLM-style prefill)",
                     workspace_ms=_r(w_ms), workspace_ratio=round(w_ms / s_ms, 4) if s_ms > 0 else None,
@@ -423,27 +432,7 @@ def bench_flashmla_fp8(B, ctx, k, reps, rows, heads=H, pieces=(1, 2, 4, 8, 16)):
 def bench_prefill_flashmla_fp8(ctx, T, k, reps, rows):
     """Prefill rows through the same fixed-schedule decode kernel vs vLLM-style prefill (torch dequant +
     flash_mla_sparse_fwd) and our workspace path, same inputs."""
-    fm = backends.flash_mla()
-    cache, bt = make_cache(1, ctx, gen_seed=1)
-    base = make_topk(1, ctx, k)[0]
-    lim = ctx - T + torch.arange(T, device="cuda")
-    skip = (base[None, :] > lim[:, None]).sum(1)
-    j = torch.arange(k, device="cuda")[None, :] + skip[:, None]
-    pos = torch.where(j < k, base[j.clamp(max=k - 1)], torch.full_like(j, -1)).to(torch.int32)
-    req = torch.zeros(T, dtype=torch.int32, device="cuda")
-    q = (torch.randn(T, H, DQK, device="cuda") * 0.5).to(torch.bfloat16)
-    sc = 1.0 / math.sqrt(DQK)
-    lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
-    slots = slots_of(bt, torch.arange(ctx, dtype=torch.int32, device="cuda")[None], req[:1])[0].long()
-    flat = cache.view(-1, 656)
-
-    def stock():
-        rows_ = flat[slots]
-        codes = rows_[:, :512].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
-        scale = rows_[:, 512:528].contiguous().view(torch.float32)
-        nope = (codes.view(-1, 4, 128) * scale[..., None]).view(-1, 512).to(torch.bfloat16)
-        kv = torch.cat([nope, rows_[:, 528:].contiguous().view(torch.bfloat16)], 1)
-        return fm.flash_mla_sparse_fwd(q, kv[:, None], pos[:, None], sc, DV)
+    cache, bt, pos, req, q, sc, lens, stock = prefill_case(ctx, T, k)
 
     def workspace():  # host-synchronising (data-dependent workspace): timed eagerly
         return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="flashmla",

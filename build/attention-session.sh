@@ -31,24 +31,10 @@ while [ $# -gt 0 ]; do
   shift
 done
 source build/gpu-env.sh
-START=$(date +%s)
-elapsed() { echo $(( $(date +%s) - START )); }
-left() { echo $(( TOTAL - $(elapsed) - ${1:-0} )); }
-SUM="$OUT/summary.txt"; : >"$SUM"
-note() { echo "$*" | tee -a "$SUM"; }
+source build/session-lib.sh
 E="$OUT/e2e"; T="$OUT/tests"
 mkdir -p "$E" "$T"
-NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 note "zerodiff attention session: $(date -u +%Y-%m-%dT%H:%M:%SZ), $NGPU GPU(s), total ${TOTAL}s"
-timed() {  # timed SECONDS NAME CMD...
-  local t=$1 name=$2; shift 2
-  [ "$t" -lt 20 ] && { note "   $name: skipped (${t}s left)"; return 0; }
-  local s=$(date +%s)
-  timeout -k 10 "$t" "$@" >"$name.log" 2>&1
-  local rc=$?
-  local why=""; { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && why=" TIMED OUT"
-  note "   $(basename "$name"): rc=$rc$why in $(( $(date +%s) - s ))s (t=$(elapsed)s)"
-}
 tests() {
   note "== GPU tests on GPU ${CUDA_VISIBLE_DEVICES:-0} (t=$(elapsed)s)"
   [ "$(left 10)" -lt 30 ] && { note "   skipped ($(left)s left)"; return 0; }

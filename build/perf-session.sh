@@ -35,24 +35,10 @@ while [ $# -gt 0 ]; do
   shift
 done
 source build/gpu-env.sh
-START=$(date +%s)
-elapsed() { echo $(( $(date +%s) - START )); }
-left() { echo $(( TOTAL - $(elapsed) - ${1:-0} )); }
-SUM="$OUT/summary.txt"; : >"$SUM"
-note() { echo "$*" | tee -a "$SUM"; }
+source build/session-lib.sh
 S="$OUT/sweeps"; E="$OUT/e2e"; T="$OUT/tests"
 mkdir -p "$S" "$E" "$T"
-NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 note "zerodiff perf session: $(date -u +%Y-%m-%dT%H:%M:%SZ), $NGPU GPU(s), total ${TOTAL}s, mHC variants: $VARIANTS"
-
-timed() {  # timed SECONDS NAME CMD...: run with a timeout, log to NAME.log, one summary line
-  local t=$1 name=$2; shift 2
-  [ "$t" -lt 20 ] && { note "   $name: skipped (${t}s left)"; return 0; }
-  local s=$(date +%s)
-  timeout -k 10 "$t" "$@" >"$name.log" 2>&1
-  local rc=$?  # before any command substitution resets $?
-  note "   $(basename "$name"): rc=$rc$([ $rc = 124 ] && echo ' (timed out)') in $(( $(date +%s) - s ))s (t=$(elapsed)s)"
-}
 
 sweeps() {
   note "== sweeps (t=$(elapsed)s)"

@@ -138,6 +138,33 @@ def test_perf_session_times_every_variant_and_never_shares_a_timed_gpu(tmp_path,
     assert "mhc-ieee_s112: ratio 0.9" in text and "topk-single: ratio 0.9" in text
 
 
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_attention_session_runs_bench_check_and_one_bench_per_piece_count(tmp_path, ngpu):
+    env = _fakes(tmp_path, ngpu)
+    r = subprocess.run(["bash", str(REPO / "build/attention-session.sh"), "--total", "400", "--pieces", "1 2",
+                        "--check-pieces", "2", "--tests", ""],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = tmp_path / "out"
+    assert {"e2e.tar.gz", "summary.txt", "tests.tar.gz", "bench.json"} <= {p.name for p in out.iterdir()}
+    calls = _calls(tmp_path)
+    micro = [c for c in calls if "bench_sparse_attention.py" in c[1]]
+    assert len(micro) == 1 and "--flashmla-fp8" in micro[0][1]
+    check = [c for c in calls if "e2e_cli check" in c[1]]
+    assert len(check) == 1 and "--attn-backend flashmla_fp8" in check[0][1]
+    bench = [c for c in calls if "e2e_cli bench" in c[1]]
+    assert len(bench) == 2 and all("--attn-backend flashmla_fp8" in a for _, a in bench)
+    tests = [(i, c) for i, c in enumerate(calls) if "-m pytest" in c[1]]
+    assert {a.split()[-1] for _, (_, a) in tests} == {"tests/test_flashmla_fp8_decode.py"}
+    if ngpu == 2:  # tests on GPU 0, every timing on GPU 1
+        assert {d for _, (d, _) in tests} == {"0"}
+        assert {d for d, _ in micro + check + bench} == {"1"}
+    else:  # tests after every timing
+        assert min(i for i, _ in tests) > max(i for i, c in enumerate(calls) if "e2e_cli bench" in c[1])
+    text = (out / "summary.txt").read_text()
+    assert "e2e bench, pieces 2: ratio 0.9" in text and "check: rc=0" in text
+
+
 def _fake_triton_cache(cache: Path) -> None:
     """Two cache entries laid out like Triton 3.x's: files per key, a group file with absolute paths."""
     for key, name in (("AAA", "_topk_kernel"), ("BBB", "_mhc_epilogue")):
