@@ -153,14 +153,19 @@ def probe_stock_invariance(fm, q, cache, slots, sc, batch_invariant):
         return -1
 
 
-def bench_decode(B, ctx, k, reps, rows):
-    fm = backends.flash_mla()
+def decode_case(B, ctx, k, heads=H):
+    """B decode rows, one per request of ctx tokens, each with its own top-k positions: (cache, block_table,
+    positions, req_ids, q, sm_scale, global slots)."""
     cache, bt = make_cache(B, ctx)
     pos = make_topk(B, ctx, k)
     req = torch.arange(B, dtype=torch.int32, device="cuda")
-    q = (torch.randn(B, H, DQK, device="cuda") * 0.5).to(torch.bfloat16)
-    sc = 1.0 / math.sqrt(DQK)
-    slots = slots_of(bt, pos, req)
+    q = (torch.randn(B, heads, DQK, device="cuda") * 0.5).to(torch.bfloat16)
+    return cache, bt, pos, req, q, 1.0 / math.sqrt(DQK), slots_of(bt, pos, req)
+
+
+def bench_decode(B, ctx, k, reps, rows):
+    fm = backends.flash_mla()
+    cache, bt, pos, req, q, sc, slots = decode_case(B, ctx, k)
     cfg = sa.split_config(DV, DQK - DV)
 
     def ours():
@@ -223,13 +228,9 @@ def bench_decode(B, ctx, k, reps, rows):
 def sweep_decode(B, ctx, k, reps, rows):
     """Exploration: graph-replayed time of alternative split configs (same inputs)."""
     fm = backends.flash_mla()
-    cache, bt = make_cache(B, ctx)
-    pos = make_topk(B, ctx, k)
-    req = torch.arange(B, dtype=torch.int32, device="cuda")
-    q = (torch.randn(B, H, DQK, device="cuda") * 0.5).to(torch.bfloat16)
-    sc = 1.0 / math.sqrt(DQK)
+    cache, bt, pos, req, q, sc, slots = decode_case(B, ctx, k)
     err: dict = {}
-    stock_ms = safe_ms(graphed(stock_decode_fn(fm, q, cache, slots_of(bt, pos, req), sc)), err, "stock", rep=reps)
+    stock_ms = safe_ms(graphed(stock_decode_fn(fm, q, cache, slots, sc)), err, "stock", rep=reps)
     base = sa.split_config(DV, DQK - DV)
     pf = sa.split_variant_config("pf", DV, DQK - DV)
     for (bh, bn, chunk, nw, ns), kind in [(c, kd) for c in SWEEP for kd in ("default", "pf")]:
@@ -255,13 +256,9 @@ def sweep_decode(B, ctx, k, reps, rows):
 def sweep_variants_decode(B, ctx, k, reps, rows, variants):
     """Every named split variant against the same stock decode call on the same inputs (graph replays)."""
     fm = backends.flash_mla()
-    cache, bt = make_cache(B, ctx)
-    pos = make_topk(B, ctx, k)
-    req = torch.arange(B, dtype=torch.int32, device="cuda")
-    q = (torch.randn(B, H, DQK, device="cuda") * 0.5).to(torch.bfloat16)
-    sc = 1.0 / math.sqrt(DQK)
+    cache, bt, pos, req, q, sc, slots = decode_case(B, ctx, k)
     err: dict = {}
-    stock_ms = safe_ms(stock_decode_fn(fm, q, cache, slots_of(bt, pos, req), sc), err, "stock", rep=reps)
+    stock_ms = safe_ms(stock_decode_fn(fm, q, cache, slots, sc), err, "stock", rep=reps)
     ref = sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, sc, check=False, variant="default")
     for v in variants:
         cfg = sa.split_variant_config(v, DV, DQK - DV)
@@ -383,12 +380,7 @@ def bench_flashmla_fp8(B, ctx, k, reps, rows, heads=H, pieces=(1, 2, 4, 8, 16)):
     from zerodiff.ops import flashmla_fp8_decode as fd
 
     fm = backends.flash_mla()
-    cache, bt = make_cache(B, ctx)
-    pos = make_topk(B, ctx, k)
-    req = torch.arange(B, dtype=torch.int32, device="cuda")
-    q = (torch.randn(B, heads, DQK, device="cuda") * 0.5).to(torch.bfloat16)
-    sc = 1.0 / math.sqrt(DQK)
-    slots = slots_of(bt, pos, req)
+    cache, bt, pos, req, q, sc, slots = decode_case(B, ctx, k, heads)
     err: dict = {}
     stock_ms = safe_ms(stock_decode_fn(fm, q, cache, slots, sc), err, "stock", rep=reps)
     _op = fd._flashmla()[1]
