@@ -34,7 +34,7 @@ prefill (T rows of one request, each attending to its own causal top-k):
 
 Usage: python benchmarks/bench_sparse_attention.py --json out.json [--quick] [--sweep] [--flashmla-fp8]
        (the next GPU session: --json sa_sweep.json --quick --sweep, under 90 s; full: --json sa.json --sweep)
-       python benchmarks/bench_sparse_attention.py --aot [--sweep]
+       python benchmarks/bench_sparse_attention.py --aot [--sweep | --flashmla-fp8]
 """
 
 from __future__ import annotations
@@ -410,6 +410,11 @@ def bench_flashmla_fp8(B, ctx, k, reps, rows, heads=H, pieces=(1, 2, 4, 8, 16)):
         except Exception as e:
             e2["kernel"] = f"{type(e).__name__}: {e}"[:300]
         extra = {}
+        if S > 1:  # the merge alone, shipped tile vs the prepared smaller one (same bits: elementwise)
+            po = torch.randn(B, S, heads, DV, device="cuda").to(torch.bfloat16)
+            pl = torch.randn(B, S, heads, device="cuda") + 5
+            for tag, bh in (("merge_ms", fd.MERGE_BH), ("merge_candidate_ms", fd.MERGE_BH_CANDIDATE)):
+                extra[tag] = _r(safe_ms(lambda bh=bh: fd.merge_pieces(po, pl, None, bh=bh), e2, tag, rep=reps))
         if S == 4:
             def ours_copy():
                 return fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos, sc, check=False, pieces_per_row=4,
@@ -497,6 +502,44 @@ def aot_report(configs):
                   flush=True)
 
 
+def aot_report_flashmla_fp8():
+    """Compile the Triton kernels around the fixed-schedule FlashMLA call ahead of time for SM90 / SM100."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from zerodiff.ops import flashmla_fp8_decode as fd
+
+    cases = [
+        ("translate", fd._translate_kernel,
+         {"pos_ptr": "*i32", "pos_s0": "i64", "req_ptr": "*i32", "bt_ptr": "*i32", "bt_s0": "i64", "idx_ptr": "*i32",
+          "badp_ptr": "*i32", "K": "i32", "NCH": "i32", "max_blocks": "i32", "num_blocks": "i32"},
+         dict(BLOCK_SIZE=BS, BLOCK_K=fd.TRANSLATE_BLOCK)),
+        ("sanitize", fd._sanitize_kernel,
+         {"in_ptr": "*i32", "in_s0": "i64", "idx_ptr": "*i32", "badp_ptr": "*i32", "K": "i32", "NCH": "i32",
+          "capacity": "i32"}, dict(BLOCK_K=fd.TRANSLATE_BLOCK)),
+        ("finish", fd._finish_rows_kernel,
+         {"out_ptr": "*bf16", "lse_src_ptr": "*fp32", "lse_src_s0": "i64", "lse_src_s1": "i64", "lse_ptr": "*fp32",
+          "bad_ptr": "*i32", "NCH": "i32", "H": "i32", "N": "i32"}, dict(POISON=True, BLOCK=4096, BLOCK_H=64)),
+    ] + [
+        (f"merge P={p} BH={bh} w{w}", fd._merge_pieces_kernel,
+         {"po_ptr": "*bf16", "pl_ptr": "*fp32", "pl_s0": "i64", "pl_s1": "i64", "pl_s2": "i64", "sink_ptr": "*fp32",
+          "bad_ptr": "*i32", "NCH": "i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "H": "i32"},
+         dict(P=p, DV=DV, BH=bh, HAS_SINK=True, POISON=True), w)
+        for p in (2, 4, 8) for bh, w in ((fd.MERGE_BH, fd.MERGE_WARPS), (fd.MERGE_BH_CANDIDATE, fd.MERGE_WARPS))]
+    for case in cases:
+        name, fn, sig, const = case[:4]
+        warps = case[4] if len(case) > 4 else 4
+        for cc in (90, 100):
+            try:
+                k = triton.compile(ASTSource(fn=fn, signature=dict(sig, **{c: "constexpr" for c in const}),
+                                             constexprs=const),
+                                   target=GPUTarget("cuda", cc, 32), options=dict(num_warps=warps, enable_fp_fusion=False))
+                print(f"{name:12s} sm_{cc}: {cubin_usage(k)[:60]}", flush=True)
+            except Exception as e:
+                print(f"{name:12s} sm_{cc}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
 def main():
     p = parser(__doc__)
     p.add_argument("--sweep", action="store_true", help="also time alternative split configs (exploration)")
@@ -505,6 +548,9 @@ def main():
                    help="only the fixed-schedule FlashMLA FP8 path (backend='flashmla_fp8') vs stock: decode "
                         "B 1-256 at 8K and 32K, 128 heads, pieces per row 1-16, prefill T 1024/4096")
     args = p.parse_args()
+    if args.aot and args.flashmla_fp8:
+        aot_report_flashmla_fp8()
+        return
     if args.aot:
         base = sa.split_config(DV, DQK - DV)
         cfgs = [sa.split_variant_config(v, DV, DQK - DV) for v in sa.SPLIT_VARIANTS]

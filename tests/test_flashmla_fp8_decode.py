@@ -190,6 +190,18 @@ def test_bad_inputs_are_refused():
         fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos.long(), 0.1)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the Triton merge kernel runs on the CPU only under TRITON_INTERPRET=1")
+def test_merge_tile_does_not_change_bits_in_the_interpreter(seeded):
+    g = seeded()
+    Q, P, H, DV = 3, 2, 20, 32
+    o = (torch.randn(Q, P, H, DV, generator=g) * 2).to(torch.bfloat16).contiguous()
+    lse = (torch.randn(Q, P, H, generator=g) * 3 + 5)
+    sink = torch.linspace(-3, 3, H)
+    a = fd.merge_pieces(o, lse, sink, bh=fd.MERGE_BH)
+    b = fd.merge_pieces(o, lse, sink, bh=fd.MERGE_BH_CANDIDATE)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 def test_sanitize_indices_kernel_and_torch_path_agree():
     """Global indices: -1 and in-cache entries pass, anything else becomes -1 and flags its chunk (interpreter
     kernel vs the torch path of the same function)."""
@@ -510,3 +522,20 @@ def test_gpu_v4_layout_reference_victim_in_batch_and_stock_control(S):
     ours0 = fd.flashmla_fp8_attention(qc[:1], cache, ic[:1], sc, pieces_per_row=S)[0][0]
     assert torch.allclose(full[0].float(), ours0.float(), atol=2e-2, rtol=2e-2), "stock reads the layout otherwise"
     assert int((full[0] != alone_s[0]).sum()) > 0, "the stock scheduler did not change row 0 on the V4 layout"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [2, 4])
+def test_gpu_merge_tile_does_not_change_bits(S):
+    """The merge is elementwise per (row, head, column) in a fixed piece order: another tile (heads per program)
+    must give the same bits; this is what allows switching to MERGE_BH_CANDIDATE without changing any result."""
+    _need()
+    g = torch.Generator().manual_seed(13)
+    Q, H = 200, 64
+    o = (torch.randn(Q, S, H, 512, generator=g) * 2).to(torch.bfloat16).cuda()
+    lse = (torch.randn(Q, S, H, generator=g) * 3 + 5).cuda()
+    lse[5, 1] = math.inf  # an empty piece
+    sink = torch.linspace(-2, 2, H, device="cuda")
+    a = fd.merge_pieces(o, lse, sink, bh=fd.MERGE_BH)
+    b = fd.merge_pieces(o, lse, sink, bh=fd.MERGE_BH_CANDIDATE)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -81,6 +81,13 @@ META_FIELDS = 8
 #: (row, piece) pairs per launch: bounds the fp32 partial buffers the kernel allocates for rows + CTAs splits
 #: (unused here, 128 KiB per pair at 64 heads). Rows are independent, so the launch split never changes bits.
 MAX_PAIRS_PER_LAUNCH = 1024
+#: the piece merge's launch: heads per program and warps. Its arithmetic is elementwise per (row, head, column)
+#: with a fixed piece order, so the tile shape does not enter the bits (checked on the GPU by
+#: test_gpu_merge_tile_does_not_change_bits). MERGE_BH_CANDIDATE is the smaller tile prepared for the next GPU
+#: run: at 16 heads the kernel takes 255 registers and spills at P >= 2 with Triton 3.6 (AOT, sm_90a).
+MERGE_BH = 16
+MERGE_WARPS = 4
+MERGE_BH_CANDIDATE = 4
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -320,7 +327,7 @@ def merge_pieces_ref(o: torch.Tensor, lse: torch.Tensor, attn_sink=None):
     return out, lse_out
 
 
-def merge_pieces(o: torch.Tensor, lse: torch.Tensor, attn_sink=None, bad=None, out=None, lse_out=None):
+def merge_pieces(o: torch.Tensor, lse: torch.Tensor, attn_sink=None, bad=None, out=None, lse_out=None, bh=None):
     """The piece merge (``_merge_pieces_kernel``): ``o`` [Q, P, H, DV] bf16 contiguous, ``lse`` fp32 [Q, P, H]
     (any strides). Rows flagged in ``bad`` (int32 [Q] or per-chunk flags [Q, n]) come out NaN."""
     Q, P, H, DV = o.shape
@@ -330,7 +337,7 @@ def merge_pieces(o: torch.Tensor, lse: torch.Tensor, attn_sink=None, bad=None, o
         lse_out = torch.empty(Q, H, dtype=torch.float32, device=o.device)
     if Q == 0:
         return out, lse_out
-    BH = 16
+    BH = MERGE_BH if bh is None else int(bh)
     if bad is not None and bad.dim() == 1:
         bad = bad[:, None]
     badc = bad.contiguous() if bad is not None else out
@@ -338,7 +345,8 @@ def merge_pieces(o: torch.Tensor, lse: torch.Tensor, attn_sink=None, bad=None, o
     sink = attn_sink if attn_sink is not None else lse_out
     _merge_pieces_kernel[(Q, triton.cdiv(H, BH))](
         o, lse, lse.stride(0), lse.stride(2), lse.stride(1), sink, badc, nch, out, lse_out,
-        H, P=P, DV=DV, BH=BH, HAS_SINK=attn_sink is not None, POISON=bad is not None, num_warps=4, **LAUNCH_OPTS)
+        H, P=P, DV=DV, BH=BH, HAS_SINK=attn_sink is not None, POISON=bad is not None, num_warps=MERGE_WARPS,
+        **LAUNCH_OPTS)
     return out, lse_out
 
 
