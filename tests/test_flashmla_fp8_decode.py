@@ -174,6 +174,15 @@ def test_translate_torch_reference_semantics():
     assert bad.tolist() == [1, 1]  # row 1: 23 is past the table, 8 -> block id 9 >= num_blocks
 
 
+def test_pieces_env_is_validated(monkeypatch):
+    monkeypatch.setenv("ZD_FLASHMLA_PIECES", "4")
+    assert fd._pieces_from_env() == 4
+    for bad in ("0", "two", "-1", ""):
+        monkeypatch.setenv("ZD_FLASHMLA_PIECES", bad)
+        with pytest.raises(ValueError, match="ZD_FLASHMLA_PIECES"):
+            fd._pieces_from_env()
+
+
 def test_bad_inputs_are_refused():
     q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
     cache = kc.new_kv_cache(4, 64)

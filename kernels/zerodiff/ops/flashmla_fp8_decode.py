@@ -72,7 +72,15 @@ from . import kv_cache as _kv
 #: pieces each row's index list is cut into (see the module docstring); a model-shape constant, the same for
 #: rollout and training (``ZD_FLASHMLA_PIECES`` overrides it for an experiment: set it on both sides or neither).
 #: Chosen from the H200 measurements in docs/kernels-attention.md.
-PIECES_PER_ROW = int(os.environ.get("ZD_FLASHMLA_PIECES", "2"))
+def _pieces_from_env(default: int = 2) -> int:
+    raw = os.environ.get("ZD_FLASHMLA_PIECES", str(default))
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"zerodiff.flashmla_fp8: ZD_FLASHMLA_PIECES={raw!r} must be a positive integer "
+                         "(pieces per row; it must be the same for rollout and training)")
+    return int(raw)
+
+
+PIECES_PER_ROW = _pieces_from_env()
 #: FlashMLA's KV block (entries per main-loop step of the sparse decode kernel).
 TOPK_BLOCK = 64
 #: int32 fields per CTA in the schedule table: begin row, end row (inclusive), begin block, end block
