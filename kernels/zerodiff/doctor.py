@@ -103,9 +103,8 @@ def _triton_cache_info() -> dict:
 
 def _kernel_configuration() -> dict:
     """The shipped kernel choices both sides read (see README "Kernel configurations")."""
-    from .ops import mhc, topk
-
     from .ops import flashmla_fp8_decode as fd
+    from .ops import mhc, topk
     from .ops import sparse_attention as sa
 
     return {"mhc": mhc.DEFAULT_VARIANT, "mhc_head": mhc.DEFAULT_HEAD_VARIANT, "topk": topk.VARIANT,

@@ -1,5 +1,7 @@
 """Paged FP8 KV cache for the MLA latent: one write kernel (quantise + insert) and one read kernel
 (dequantise + gather into a BF16 workspace), shared by the rollout cache, prefill, decode and training.
+The default attention read path (``sparse_attention.sparse_mla_attention``, backend "flashmla_fp8") reads this
+cache in place with FlashMLA's FP8 decode kernel; ``gather_kv`` is the read of the workspace backends.
 
 Layout (DeepSeek-V3.2 "fp8_ds_mla", the 656-byte token FlashMLA's FP8 decode kernel reads, so the stock
 kernel can read the very same cache)::
