@@ -81,6 +81,32 @@ def test_schedule_rows_are_whole_whatever_the_row_count(parts):
     assert not _invariant(lambda n: _batch_scaled_schedule(n, parts, blocks), blocks, [1, 2, 3, 8])
 
 
+def test_schedule_with_rows_of_their_own_lengths():
+    """topk_length / an extra cache: every row whole at its own block count, whatever the row count; the count is
+    the kernel's (main list at least one block, extra list rounded up on its own)."""
+    tl = torch.tensor([0, 1, 64, 65, 2048, 100, 3], dtype=torch.int32)
+    etl = torch.tensor([128, 0, 1, 64, 65, 127, 3], dtype=torch.int32)
+    counts = fd.row_block_counts(7, 2048, tl, 128, etl)
+    assert counts.tolist() == [1 + 2, 1 + 0, 1 + 1, 2 + 1, 32 + 2, 2 + 2, 1 + 1]
+    assert fd.row_block_counts(3, 2048, extra_topk=128).tolist() == [34, 34, 34]
+    assert fd.row_block_counts(2, 2048).tolist() == [32, 32]
+    g = torch.Generator().manual_seed(3)
+    pool = torch.randint(1, 40, (1100,), generator=g)
+    for parts in (132, 33):
+        seen = {}
+        for rows in (1, 2, parts - 1, parts, parts + 1, 2 * parts + 5, 1100):
+            rb = pool[:rows]
+            meta, splits = fd.fixed_schedule(rows, parts, 32, "cpu", row_blocks=rb)
+            per_row = {}
+            for _cta, r, start, end, no_split, slot in fd.schedule_pieces(meta, splits, rows, rb.tolist()):
+                per_row.setdefault(r, []).append((start, end, no_split, slot))
+            for r in range(rows):
+                assert per_row[r] == [(0, int(rb[r]), True, None)], (parts, rows, r, per_row.get(r))
+                assert seen.setdefault(r, per_row[r]) == per_row[r]
+    with pytest.raises(ValueError, match="row_blocks must have shape"):
+        fd.fixed_schedule(3, 132, 32, "cpu", row_blocks=torch.ones(4, dtype=torch.int64))
+
+
 def test_schedule_unused_ctas_exit_and_runs_are_contiguous():
     meta, splits = fd.fixed_schedule(5, 132, 32, "cpu")
     assert meta.dtype == torch.int32 and meta.shape == (132, fd.META_FIELDS)
@@ -241,6 +267,22 @@ def test_global_entry_bad_inputs_are_refused():
         fd.flashmla_fp8_attention(q, cache, idx[:, :100], 0.1)
     with pytest.raises(ValueError, match="indices must be int32"):
         fd.flashmla_fp8_attention(q, cache, idx.long(), 0.1)
+    q4 = torch.zeros(2, 64, 512, dtype=torch.bfloat16)
+    c4 = torch.zeros(4, 64, 584, dtype=torch.uint8)
+    tl = torch.full((2,), 100, dtype=torch.int32)
+    with pytest.raises(ValueError, match="DeepSeek-V4 layout"):
+        fd.flashmla_fp8_attention(q, cache, idx, 0.1, topk_length=tl)
+    with pytest.raises(ValueError, match="pieces_per_row=1"):
+        fd.flashmla_fp8_attention(q4, c4, idx, 0.1, topk_length=tl, pieces_per_row=2)
+    with pytest.raises(ValueError, match="come together"):
+        fd.flashmla_fp8_attention(q4, c4, idx, 0.1, extra_kv_cache=c4)
+    with pytest.raises(ValueError, match="topk_length must be int32"):
+        fd.flashmla_fp8_attention(q4, c4, idx, 0.1, topk_length=tl.long())
+    with pytest.raises(ValueError, match="extra_topk_length without"):
+        fd.flashmla_fp8_attention(q4, c4, idx, 0.1, extra_topk_length=tl)
+    with pytest.raises(ValueError, match="needs CUDA"):  # a well-formed V4 call reaches the device check
+        fd.flashmla_fp8_attention(q4, c4, idx, 0.1, topk_length=tl, extra_kv_cache=c4, extra_indices=idx[:, :64],
+                                  extra_topk_length=tl)
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -548,3 +590,60 @@ def test_gpu_merge_tile_does_not_change_bits(S):
     a = fd.merge_pieces(o, lse, sink, bh=fd.MERGE_BH)
     b = fd.merge_pieces(o, lse, sink, bh=fd.MERGE_BH_CANDIDATE)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.gpu
+def test_gpu_v4_extra_cache_and_lengths_reference_victim_and_stock_control():
+    """DeepSeek-V4 attention as vLLM calls it: a compressed-cache list cut by topk_length plus an SWA extra cache
+    cut by extra_topk_length. Float64 reference, victim-in-batch across the CTA bound, and the stock scheduler on
+    the same inputs as the negative control. (Written from the kernel's public contract; first run pending.)"""
+    fm = _need()
+    nb, bs, H, K, K2 = 200, 64, 64, 512, 128
+    raw, deq = _v4_cache(nb, bs, seed=21)
+    raw2, deq2 = _v4_cache(40, bs, seed=22)
+    cache, extra = raw.cuda(), raw2.cuda()
+    g = torch.Generator().manual_seed(23)
+    npool = 150
+    idx = torch.stack([torch.randperm(nb * bs, generator=g)[:K] for _ in range(npool)]).to(torch.int32)
+    eidx = torch.stack([torch.randperm(40 * bs, generator=g)[:K2] for _ in range(npool)]).to(torch.int32)
+    tl = torch.randint(1, K + 1, (npool,), generator=g, dtype=torch.int32)
+    etl = torch.randint(0, K2 + 1, (npool,), generator=g, dtype=torch.int32)
+    q = (torch.randn(npool, H, 512, generator=g) * 0.5).to(torch.bfloat16)
+    sc = 1 / math.sqrt(512)
+    qc, ic, ec, tlc, etlc = q.cuda(), idx.cuda(), eidx.cuda(), tl.cuda(), etl.cuda()
+
+    def ours(rows):
+        return fd.flashmla_fp8_attention(qc[rows], cache, ic[rows], sc, topk_length=tlc[rows], extra_kv_cache=extra,
+                                         extra_indices=ec[rows], extra_topk_length=etlc[rows])
+
+    o, l = ours(torch.arange(npool, device="cuda"))
+    for r in (0, 5, 77):
+        kv = torch.cat([deq[idx[r, : tl[r]].long()], deq2[eidx[r, : etl[r]].long()]])
+        s_ = (q[r].double() @ kv.T) * sc
+        ref = torch.softmax(s_, dim=-1) @ kv
+        assert torch.allclose(o[r].cpu().double(), ref, atol=2e-2, rtol=2e-2), r
+        assert torch.allclose(l[r].cpu().double(), torch.logsumexp(s_, dim=-1), atol=5e-3, rtol=1e-4), r
+    parts = fd.num_sm_parts(H, 512, 1)
+    gg = torch.Generator().manual_seed(24)
+    for victim in (0, 77):
+        alone = ours(torch.tensor([victim], device="cuda"))
+        for B in sorted({2, parts - 1, parts, parts + 1, 2 * parts + 1}):
+            others = torch.randint(0, npool, (B - 1,), generator=gg).cuda()
+            for where in sorted({0, B // 2, B - 1}):
+                rows = torch.cat([others[:where], torch.tensor([victim], device="cuda"), others[where:]])
+                ob, lb = ours(rows)
+                assert torch.equal(ob[where], alone[0][0]) and torch.equal(lb[where], alone[1][0]), (victim, B, where)
+
+    def stock(rows):
+        meta, _ = fm.get_mla_metadata()
+        out, _l = fm.flash_mla_with_kvcache(qc[rows][:, None], cache, None, None, 512, meta, softmax_scale=sc,
+                                            is_fp8_kvcache=True, indices=ic[rows][:, None].contiguous(),
+                                            topk_length=tlc[rows], extra_k_cache=extra,
+                                            extra_indices_in_kvcache=ec[rows][:, None].contiguous(),
+                                            extra_topk_length=etlc[rows])
+        return out[:, 0]
+
+    full = stock(torch.arange(128, device="cuda"))
+    assert torch.allclose(full[0].float(), o[0].float(), atol=2e-2, rtol=2e-2), "stock reads these inputs otherwise"
+    alone_s = stock(torch.zeros(1, dtype=torch.long, device="cuda"))
+    assert int((full[0] != alone_s[0]).sum()) > 0, "the stock scheduler did not change row 0 (control void)"

@@ -219,12 +219,15 @@ def rows_per_launch(pieces_per_row: int = 1) -> int:
     return max(1, MAX_PAIRS_PER_LAUNCH // pieces_per_row)
 
 
-def fixed_schedule(rows: int, num_sm_parts: int, blocks_per_row: int, device=None):
+def fixed_schedule(rows: int, num_sm_parts: int, blocks_per_row: int, device=None, row_blocks=None):
     """The schedule table and cumulative split counts for ``rows`` rows, each reduced whole by one CTA (per
     piece: the kernel runs the same table for every query position of the ``s_q`` axis).
 
-    Built with torch ops on ``device`` (no host->device copy, so it can be built inside CUDA-graph capture).
-    Unused CTAs get ``begin row = rows``, which makes the kernel return at once."""
+    ``row_blocks`` (int tensor [rows] on ``device``, optional): each row's own block count when rows differ
+    (``topk_length`` / an extra cache); the table then ends each CTA's last row at that row's count (the kernel
+    derives the other rows' counts itself). Built with torch ops on ``device`` (no host->device copy, so it can
+    be built inside CUDA-graph capture). Unused CTAs get ``begin row = rows``, which makes the kernel return at
+    once."""
     P = int(num_sm_parts)
     if rows < 1:
         raise ValueError(f"zerodiff.flashmla_fp8: rows={rows} must be >= 1")
@@ -244,24 +247,46 @@ def fixed_schedule(rows: int, num_sm_parts: int, blocks_per_row: int, device=Non
         used = torch.ones_like(i, dtype=torch.bool)
     meta[:, 0] = begin
     meta[:, 1] = end
-    meta[:, 3] = torch.where(used, torch.full_like(i, blocks_per_row), torch.zeros_like(i))
+    if row_blocks is None:
+        last = torch.full_like(i, blocks_per_row)
+    else:
+        if tuple(row_blocks.shape) != (rows,):
+            raise ValueError(f"zerodiff.flashmla_fp8: row_blocks must have shape ({rows},), got {tuple(row_blocks.shape)}")
+        last = row_blocks.to(device=device, dtype=torch.int64)[end.clamp(min=0, max=rows - 1)]
+    meta[:, 3] = torch.where(used, last, torch.zeros_like(i))
     splits = torch.arange(rows + 1, device=device, dtype=torch.int64)
     return meta.to(torch.int32), splits.to(torch.int32)
 
 
-def schedule_pieces(metadata: torch.Tensor, num_splits: torch.Tensor, rows: int, blocks_per_row: int):
+def row_block_counts(rows: int, topk: int, topk_length=None, extra_topk: int = 0, extra_topk_length=None, device=None):
+    """Blocks of 64 entries the decode kernel reduces per row (its own count): ``max(ceil(len / 64), 1)`` of the
+    main list (``len`` = ``topk_length[r]`` or the width) plus ``ceil(extra_len / 64)`` of the extra list."""
+    if topk_length is None:
+        main = torch.full((rows,), max(-(-topk // TOPK_BLOCK), 1), dtype=torch.int64, device=device)
+    else:
+        main = ((topk_length.to(torch.int64) + TOPK_BLOCK - 1) // TOPK_BLOCK).clamp(min=1)
+    if extra_topk_length is not None:
+        main = main + (extra_topk_length.to(torch.int64) + TOPK_BLOCK - 1) // TOPK_BLOCK
+    elif extra_topk:
+        main = main + -(-extra_topk // TOPK_BLOCK)
+    return main
+
+
+def schedule_pieces(metadata: torch.Tensor, num_splits: torch.Tensor, rows: int, blocks_per_row):
     """How the decode kernel consumes a schedule (its contract, modelled on the CPU): for each CTA in order, for
     each row it covers, ``(cta, row, start_block, end_block, no_split, partial_slot)`` with the partial slot
-    ``num_splits[row] + split index`` (None when the CTA writes the final output itself)."""
+    ``num_splits[row] + split index`` (None when the CTA writes the final output itself). ``blocks_per_row`` is
+    one count for every row or a per-row sequence (the kernel's own count of a row it reads whole)."""
     m = metadata.cpu().tolist()
     ns = num_splits.cpu().tolist()
+    counts = [int(blocks_per_row)] * rows if isinstance(blocks_per_row, int) else [int(b) for b in blocks_per_row]
     pieces = []
     for cta, (b0, b1, k0, k1, s0, first_split, last_split, _pad) in enumerate(m):
         if b0 >= rows:
             continue
         for r in range(b0, b1 + 1):
             start = k0 if r == b0 else 0
-            end = k1 if r == b1 else blocks_per_row
+            end = k1 if r == b1 else counts[r]
             if r == b0:
                 no_split = not first_split
             elif r == b1:
@@ -488,7 +513,8 @@ def sparse_mla_attention_flashmla_fp8(q, cache, block_table, req_ids, positions,
 
 
 def flashmla_fp8_attention(q, kv_cache, indices, sm_scale: float, *, attn_sink=None, pieces_per_row: int | None = None,
-                           out=None):
+                           out=None, topk_length=None, extra_kv_cache=None, extra_indices=None,
+                           extra_topk_length=None):
     """The same fixed-schedule kernel call on caller-given GLOBAL token indices (what vLLM's sparse backends hold).
 
     ``q`` bf16 [Q, H, d_qk] (H 64 or 128; d_qk 576 for the V3.2 layout, 512 for the V4 layout, ``LAYOUT_BYTES``);
@@ -496,7 +522,14 @@ def flashmla_fp8_attention(q, kv_cache, indices, sm_scale: float, *, attn_sink=N
     whole cache one allocation); ``indices`` int32 [Q, K] = block id * block_size + offset, -1 = skip, K a multiple
     of 64 x pieces. Returns ``out`` bf16 [Q, H, 512] and ``lse`` fp32 [Q, H]; the same numerical contract as the
     module's other entry point. No host synchronisation: an index < -1 or past the cache is not read and makes
-    its row NaN (out and lse)."""
+    its row NaN (out and lse).
+
+    DeepSeek-V4 attention (d_qk 512 only, one piece per row): ``topk_length`` int32 [Q] (only the first
+    ``topk_length[r]`` indices of row r are read), ``extra_kv_cache`` (the SWA cache, same layout) with
+    ``extra_indices`` int32 [Q, K2] and optionally ``extra_topk_length`` int32 [Q]: FlashMLA reads the row's
+    main list, then its extra list, and the table ends each CTA's last row at that row's own block count
+    (``row_block_counts``). Written from the kernel's public contract; **not yet run on a GPU** (the GPU tests
+    ``test_gpu_v4_extra_cache_*`` are the check)."""
     if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 3:
         raise ValueError(f"zerodiff.flashmla_fp8: q must be bf16 [Q, H, d_qk], got {getattr(q, 'dtype', type(q))} "
                          f"{tuple(getattr(q, 'shape', ()))}")
@@ -521,7 +554,35 @@ def flashmla_fp8_attention(q, kv_cache, indices, sm_scale: float, *, attn_sink=N
         if t.device != q.device:
             raise ValueError(f"zerodiff.flashmla_fp8: {name} is on {t.device}, q on {q.device}")
     K = indices.shape[1]
+    varlen = topk_length is not None or extra_kv_cache is not None or extra_indices is not None \
+        or extra_topk_length is not None
     P = PIECES_PER_ROW if pieces_per_row is None else int(pieces_per_row)
+    if varlen:
+        if D != 512:
+            raise ValueError("zerodiff.flashmla_fp8: topk_length / an extra cache are scheduled for the DeepSeek-V4 "
+                             f"layout (d_qk 512) only, got d_qk={D}")
+        if pieces_per_row is not None and int(pieces_per_row) != 1:
+            raise ValueError("zerodiff.flashmla_fp8: topk_length / an extra cache need pieces_per_row=1 (FlashMLA's "
+                             f"lengths are per row, not per piece), got {pieces_per_row}")
+        P = 1
+        if (extra_kv_cache is None) != (extra_indices is None):
+            raise ValueError("zerodiff.flashmla_fp8: extra_kv_cache and extra_indices come together")
+        if extra_topk_length is not None and extra_kv_cache is None:
+            raise ValueError("zerodiff.flashmla_fp8: extra_topk_length without an extra cache")
+        for name, t in (("topk_length", topk_length), ("extra_topk_length", extra_topk_length)):
+            if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (Q,)):
+                raise ValueError(f"zerodiff.flashmla_fp8: {name} must be int32 [{Q}], got {t.dtype} {tuple(t.shape)}")
+        if extra_kv_cache is not None:
+            if extra_kv_cache.dim() == 3:
+                extra_kv_cache = extra_kv_cache.unsqueeze(2)
+            if (extra_kv_cache.dtype != torch.uint8 or extra_kv_cache.dim() != 4 or extra_kv_cache.shape[2] != 1
+                    or extra_kv_cache.shape[3] != bpt or not extra_kv_cache.is_contiguous()):
+                raise ValueError(f"zerodiff.flashmla_fp8: extra_kv_cache must be contiguous uint8 [num_blocks, "
+                                 f"block_size, (1,) {bpt}], got {extra_kv_cache.dtype} {tuple(extra_kv_cache.shape)}")
+            if extra_indices.dtype != torch.int32 or extra_indices.dim() != 2 or extra_indices.shape[0] != Q \
+                    or extra_indices.shape[1] == 0:
+                raise ValueError(f"zerodiff.flashmla_fp8: extra_indices must be int32 [{Q}, K2 > 0], got "
+                                 f"{extra_indices.dtype} {tuple(extra_indices.shape)}")
     if P < 1 or K == 0 or K % (TOPK_BLOCK * P):
         raise ValueError(f"zerodiff.flashmla_fp8: the index-list width K={K} must be a positive multiple of "
                          f"{TOPK_BLOCK} x pieces_per_row={P}")
@@ -536,7 +597,15 @@ def flashmla_fp8_attention(q, kv_cache, indices, sm_scale: float, *, attn_sink=N
     if Q == 0:
         return out, lse
     idx, bad = sanitize_indices(indices, kv_cache.shape[0] * kv_cache.shape[1])
-    _run_fixed(q, kv_cache, idx, sm_scale, attn_sink, P, out, lse, bad, False)
+    extra = None
+    if varlen:
+        extra_idx = None
+        if extra_kv_cache is not None:
+            extra_idx, extra_bad = sanitize_indices(extra_indices, extra_kv_cache.shape[0] * extra_kv_cache.shape[1])
+            bad = torch.cat([bad, extra_bad], dim=1)
+        extra = dict(topk_length=topk_length, extra_kv_cache=extra_kv_cache, extra_indices=extra_idx,
+                     extra_topk_length=extra_topk_length)
+    _run_fixed(q, kv_cache, idx, sm_scale, attn_sink, P, out, lse, bad, False, extra)
     return out, lse
 
 
@@ -563,9 +632,10 @@ def sanitize_indices(indices, capacity: int):
     return idx, bad
 
 
-def _run_fixed(q, kcache, idx, sm_scale, attn_sink, P, out, lse, bad, q_copy):
+def _run_fixed(q, kcache, idx, sm_scale, attn_sink, P, out, lse, bad, q_copy, extra=None):
     """The kernel launches under the fixed schedule (rows in launches of ``rows_per_launch(P)``), then the merge
-    (P > 1) or the lse copy (P = 1); rows flagged in ``bad`` (per-chunk flags, or None) come out NaN."""
+    (P > 1) or the lse copy (P = 1); rows flagged in ``bad`` (per-chunk flags, or None) come out NaN. ``extra``
+    (P = 1 only): per-row lengths and the extra cache of ``flashmla_fp8_attention``."""
     _fm, op = _flashmla()
     Q, H, D = q.shape
     K = idx.shape[1]
@@ -578,7 +648,14 @@ def _run_fixed(q, kcache, idx, sm_scale, attn_sink, P, out, lse, bad, q_copy):
     for r0 in range(0, Q, step):
         r1 = min(Q, r0 + step)
         n = r1 - r0
-        meta, splits = _schedule(n, parts, blocks, q.device)
+        if extra is None:
+            meta, splits = _schedule(n, parts, blocks, q.device)
+        else:  # rows of their own lengths: the table ends each CTA's last row at that row's count (not cached)
+            tl_, etl = extra["topk_length"], extra["extra_topk_length"]
+            eidx = extra["extra_indices"]
+            counts = row_block_counts(n, K, None if tl_ is None else tl_[r0:r1], 0 if eidx is None else eidx.shape[1],
+                                      None if etl is None else etl[r0:r1], q.device)
+            meta, splits = fixed_schedule(n, parts, blocks, q.device, row_blocks=counts)
         # the P pieces of a row are P query positions sharing the row's q (a stride-0 axis, no copy)
         qp = q[r0:r1].unsqueeze(1).expand(n, P, H, D)
         if q_copy:
@@ -586,8 +663,15 @@ def _run_fixed(q, kcache, idx, sm_scale, attn_sink, P, out, lse, bad, q_copy):
         ip = idx[r0:r1].view(n, P, K // P)
         rb = None if bad is None else bad[r0:r1]
         if P == 1:
-            res = op(qp, kcache, ip, None, attn_sink, meta, splits, None, None, None, d_v, float(sm_scale),
-                     out[r0:r1].unsqueeze(1), False)
+            e = extra or {}
+
+            def sl(t, r0=r0, r1=r1):
+                return None if t is None else t[r0:r1]
+
+            ekv = e.get("extra_kv_cache")
+            eip = None if e.get("extra_indices") is None else e["extra_indices"][r0:r1].unsqueeze(1)
+            res = op(qp, kcache, ip, sl(e.get("topk_length")), attn_sink, meta, splits, ekv, eip,
+                     sl(e.get("extra_topk_length")), d_v, float(sm_scale), out[r0:r1].unsqueeze(1), False)
             _finish(res[1], out[r0:r1], lse[r0:r1], rb, H, d_v)
         else:
             res = op(qp, kcache, ip, None, None, meta, splits, None, None, None, d_v, float(sm_scale),
