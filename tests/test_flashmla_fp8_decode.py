@@ -285,6 +285,174 @@ def test_global_entry_bad_inputs_are_refused():
                                   extra_topk_length=tl)
 
 
+class _EmulatedDecodeKernel:
+    """FlashMLA's ``sparse_decode_fwd`` contract, emulated on the CPU for the V3.2 layout: it reads OUR schedule
+    table (``schedule_pieces``), refuses anything but whole rows, covers every (row, piece) exactly once or raises,
+    and computes each piece over its blocks in list order (main list, then the extra list) in float64. Lets CI test
+    the wrapper's plumbing (translation, launches, pieces, merge, lse copy, NaN rows, lengths, extra cache)."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.launches = []
+
+    def __call__(self, q, kcache, idx, topk_length, sink, meta, splits, extra_kv, extra_idx, extra_tl, d_v, scale,
+                 out, batch_invariant):
+        from zerodiff.reference.kv_cache import dequantize_kv_ref
+
+        n, S, H, D = q.shape
+        if meta is None:  # the probe call
+            return out, None, torch.zeros(self.parts, fd.META_FIELDS, dtype=torch.int32), torch.zeros(n + 1)
+        assert meta.shape == (self.parts, fd.META_FIELDS) and meta.dtype == torch.int32
+        self.launches.append(n)
+        def deq(c):
+            return _dequant_v4(c) if c.shape[-1] == 584 else dequantize_kv_ref(c.view(-1, c.shape[-1])).double()
+
+        kv = deq(kcache)
+        ekv = None if extra_kv is None else deq(extra_kv)
+        K = idx.shape[2]
+        main_blocks = -(-K // 64)
+        counts = fd.row_block_counts(n, K, topk_length, 0 if extra_idx is None else extra_idx.shape[2], extra_tl)
+        seen = set()
+        lse = torch.empty(n, S, H, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(n, S, H, d_v, dtype=torch.bfloat16)
+        for _cta, r, start, end, no_split, _slot in fd.schedule_pieces(meta, splits, n, counts.tolist()):
+            assert no_split and start == 0 and end == int(counts[r]), (r, start, end, no_split)
+            for sp in range(S):
+                assert (r, sp) not in seen, "a (row, piece) scheduled twice"
+                seen.add((r, sp))
+                L = K if topk_length is None else int(topk_length[r])
+                ent = [kv[int(i)] for i in idx[r, sp, :min(L, K)].tolist() if i >= 0]
+                if extra_idx is not None:
+                    EL = extra_idx.shape[2] if extra_tl is None else int(extra_tl[r])
+                    ent += [ekv[int(i)] for i in extra_idx[r, sp, :EL].tolist() if i >= 0]
+                qd = q[r, sp].double()
+                if not ent:
+                    out[r, sp] = 0
+                    lse[r, sp] = math.inf
+                    continue
+                kvr = torch.stack(ent)
+                sc_ = (qd @ kvr.T) * scale
+                l_ = torch.logsumexp(sc_, dim=-1)
+                o_ = torch.softmax(sc_, dim=-1) @ kvr[:, :d_v]
+                if sink is not None:
+                    o_ = o_ / (1 + torch.exp(sink.double() - l_))[:, None]
+                out[r, sp] = o_.to(torch.bfloat16)
+                lse[r, sp] = l_.float()
+        assert len(seen) == n * S, "some (row, piece) was never scheduled"
+        return out, lse.transpose(1, 2), meta, splits
+
+
+def _dequant_v4(cache):
+    """DeepSeek-V4 cache [nb, bs, 1, 584] -> float64 [nb * bs, 512]: per page block, bs data rows (448 e4m3 + 64
+    bf16) then bs scale rows (7 e8m0 + 1 pad); value = e4m3 * 2^(e8m0 - 127) per 64 channels, rope as stored."""
+    nb, bs = cache.shape[:2]
+    raw = cache.reshape(nb, bs * 584)
+    data = raw[:, : bs * 576].reshape(nb * bs, 576)
+    e = raw[:, bs * 576:].reshape(nb * bs, 8)[:, :7].long()
+    nope = data[:, :448].contiguous().view(torch.float8_e4m3fn).double().view(-1, 7, 64)
+    nope = (nope * torch.pow(2.0, (e - 127).double())[..., None]).view(-1, 448)
+    return torch.cat([nope, data[:, 448:].contiguous().view(torch.bfloat16).double()], 1)
+
+
+def _emulated(monkeypatch, parts=7):
+    kern = _EmulatedDecodeKernel(parts)
+    monkeypatch.setattr(fd, "_flashmla", lambda: (None, kern))
+    monkeypatch.setattr(fd, "num_sm_parts", lambda h, d=576, pieces=1, device=None: parts)
+    monkeypatch.setattr(fd, "MAX_PAIRS_PER_LAUNCH", 12)  # several launches even for small tests
+    monkeypatch.setattr(fd, "_ALLOW_CPU", True)
+    return kern
+
+
+@pytest.mark.parametrize("S", [1, 2, 4])
+def test_wrapper_plumbing_against_an_emulated_kernel(seeded, monkeypatch, S):
+    """Request-local positions -> translation -> launches of rows_per_launch rows -> pieces -> merge: equal to the
+    float64 reference to bf16 rounding, a row's bits independent of the batch under the emulated kernel, NaN rows
+    for unresolvable positions; the launches really were split."""
+    kern = _emulated(monkeypatch)
+    g = seeded()
+    lens = (300, 200, 260, 150)
+    cache, bt = _cpu_request_cache(g, lens)
+    Q, H, K = 21, 64, 256
+    req = torch.tensor([i % 4 for i in range(Q)], dtype=torch.int32)
+    pos = torch.full((Q, K), -1, dtype=torch.int32)
+    for r in range(Q):
+        L = lens[int(req[r])]
+        k = min(L, K - 3 * r)
+        pos[r, :k] = torch.randperm(L, generator=g)[:k].to(torch.int32)
+    q = (torch.randn(Q, H, 576, generator=g) * 0.3).to(torch.bfloat16)
+    sink = torch.linspace(-1, 1, H)
+    def call(q, bt, req, pos, check=True):
+        return fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos, 0.05, attn_sink=sink, check=check,
+                                                    pieces_per_row=S)
+
+    o, l = call(q, bt, req, pos)
+    assert len(kern.launches) == -(-Q // fd.rows_per_launch(S)) > 1
+    ws = kc.gather_kv(cache, bt, req, pos, backend="reference")
+    ro, rl = sparse_attention_ref(q, ws.view(-1, 576), kc.workspace_indices(pos), 0.05, attn_sink=sink,
+                                  return_fp64=True)
+    assert torch.allclose(o.double(), ro, atol=2e-2, rtol=2e-2)
+    assert torch.allclose(l.double(), rl, atol=1e-3, rtol=1e-4)
+    for victim in (0, 13):
+        alone = call(q[victim:victim + 1], bt, req[victim:victim + 1], pos[victim:victim + 1])
+        assert torch.equal(alone[0][0], o[victim]) and torch.equal(alone[1][0], l[victim])
+    bt2 = bt.clone()
+    bt2[int(req[5]), int(pos[5, 0]) // 8] = -1
+    with pytest.raises(ValueError, match="hole"):
+        call(q, bt2, req, pos)
+    o2, _ = call(q, bt2, req, pos, check=False)
+    bad_rows = {r for r in range(Q) if int(req[r]) == int(req[5]) and
+                bool(((pos[r] >= 0) & (pos[r].long() // 8 == int(pos[5, 0]) // 8)).any())}
+    for r in range(Q):
+        assert bool(torch.isnan(o2[r].float()).all()) == (r in bad_rows), r
+
+
+def _cpu_request_cache(g, lens, bs=8):
+    nb = sum(-(-L // bs) for L in lens) + 3
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    mb = max(-(-L // bs) for L in lens)
+    bt = torch.full((len(lens), mb), -1, dtype=torch.int32)
+    used, slots = 0, []
+    for b, L in enumerate(lens):
+        n = -(-L // bs)
+        bt[b, :n] = perm[used:used + n]
+        used += n
+        slots += [int(bt[b, p // bs]) * bs + p % bs for p in range(L)]
+    x = (torch.randn(len(slots), 512, generator=g) * 2).to(torch.bfloat16)
+    rope = torch.randn(len(slots), 64, generator=g).to(torch.bfloat16)
+    cache = kc.new_kv_cache(nb, bs)
+    kc.write_kv_cache(x, rope, cache, torch.tensor(slots, dtype=torch.int64), backend="reference")
+    return cache, bt
+
+
+def test_global_entry_lengths_and_extra_cache_against_an_emulated_kernel(seeded, monkeypatch):
+    """topk_length / extra cache plumbing: the table ends every CTA's last row at that row's own count (the
+    emulation raises otherwise), rows are whole, lengths and the extra list reach the kernel, batch-invariant."""
+    kern = _emulated(monkeypatch)
+    g = seeded()
+    cache, deq = _v4_cache(50, 8, seed=31)
+    extra, deq2 = _v4_cache(13, 8, seed=32)
+    assert torch.equal(_dequant_v4(cache), deq) and torch.equal(_dequant_v4(extra), deq2)  # the layout helpers agree
+    Q, H, K, K2 = 19, 64, 256, 64
+    cap, cap2 = cache.shape[0] * cache.shape[1], extra.shape[0] * extra.shape[1]
+    idx = torch.stack([torch.randperm(cap, generator=g)[:K] for _ in range(Q)]).to(torch.int32)
+    eidx = torch.stack([torch.randperm(cap2, generator=g)[:K2] for _ in range(Q)]).to(torch.int32)
+    tl = torch.randint(1, K + 1, (Q,), generator=g, dtype=torch.int32)
+    etl = torch.randint(0, K2 + 1, (Q,), generator=g, dtype=torch.int32)
+    q = (torch.randn(Q, H, 512, generator=g) * 0.3).to(torch.bfloat16)
+    extra_args = dict(topk_length=tl, extra_kv_cache=extra, extra_indices=eidx, extra_topk_length=etl)
+    o, l = fd.flashmla_fp8_attention(q, cache, idx, 0.05, **extra_args)
+    for r in (0, 7):  # float64: the row's main list cut at its length, then its extra list cut at its length
+        kv = torch.cat([deq[idx[r, : tl[r]].long()], deq2[eidx[r, : etl[r]].long()]])
+        s_ = (q[r].double() @ kv.T) * 0.05
+        assert torch.allclose(o[r].double(), torch.softmax(s_, -1) @ kv, atol=2e-2, rtol=2e-2)
+    assert len(kern.launches) > 1
+    for victim in (0, 11):
+        sub = {k: (v[victim:victim + 1] if k != "extra_kv_cache" else v) for k, v in extra_args.items()}
+        alone = fd.flashmla_fp8_attention(q[victim:victim + 1], cache, idx[victim:victim + 1], 0.05, **sub)
+        assert torch.equal(alone[0][0], o[victim]) and torch.equal(alone[1][0], l[victim])
+
+
 # ----------------------------------------------------------------------------------------------- GPU
 GPU_TOPK = 2048
 SC = 1 / math.sqrt(576)

@@ -458,6 +458,9 @@ def num_sm_parts(h_q: int, d_qk: int = 576, pieces: int = 1, device=None) -> int
 
 
 _PROBED: dict = {}
+#: tests only: let CPU tensors through to an emulated kernel (tests/test_flashmla_fp8_decode.py monkeypatches
+#: ``_flashmla`` and this flag together; with the real FlashMLA, CPU tensors are always refused).
+_ALLOW_CPU = False
 _SCHEDULES: dict = {}
 
 
@@ -467,7 +470,8 @@ def _schedule(rows, parts, blocks, device):
     if hit is not None:
         return hit
     sched = fixed_schedule(rows, parts, blocks, device)
-    if not torch.cuda.is_current_stream_capturing():  # graph-pool tensors must not outlive their graph
+    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:  # graph-pool tensors must not outlive their graph
         _SCHEDULES[key] = sched
     return sched
 
@@ -481,7 +485,7 @@ def sparse_mla_attention_flashmla_fp8(q, cache, block_table, req_ids, positions,
     from .sparse_attention import _check_fp8_read_args
 
     _check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope, d_rope, "flashmla_fp8")
-    if q.device.type != "cuda":
+    if q.device.type != "cuda" and not _ALLOW_CPU:
         raise ValueError(f"zerodiff.sparse_attention[flashmla_fp8]: needs CUDA tensors, got {q.device}")
     if (d_nope, d_rope) != (512, 64):
         raise ValueError(f"zerodiff.sparse_attention[flashmla_fp8]: FlashMLA reads the 656-byte layout only "
@@ -589,7 +593,7 @@ def flashmla_fp8_attention(q, kv_cache, indices, sm_scale: float, *, attn_sink=N
     if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (Q, H, 512) or not out.is_contiguous()):
         raise ValueError(f"zerodiff.flashmla_fp8: out must be contiguous bf16 [{Q}, {H}, 512], got {out.dtype} "
                          f"{tuple(out.shape)}")
-    if q.device.type != "cuda":
+    if q.device.type != "cuda" and not _ALLOW_CPU:
         raise ValueError(f"zerodiff.flashmla_fp8: needs CUDA tensors, got {q.device}")
     if out is None:
         out = torch.empty(Q, H, 512, dtype=torch.bfloat16, device=q.device)
