@@ -310,7 +310,6 @@ class _EmulatedDecodeKernel:
         kv = deq(kcache)
         ekv = None if extra_kv is None else deq(extra_kv)
         K = idx.shape[2]
-        main_blocks = -(-K // 64)
         counts = fd.row_block_counts(n, K, topk_length, 0 if extra_idx is None else extra_idx.shape[2], extra_tl)
         seen = set()
         lse = torch.empty(n, S, H, dtype=torch.float32)
