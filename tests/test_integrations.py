@@ -1535,3 +1535,117 @@ def test_gpu_megatron_moe_layer_triton_victim_and_value():
     assert x.grad is not None and bool(torch.isfinite(x.grad).all())
     assert any(t.grad is not None for t in fc1) and all(
         (a.grad is None) == (b.grad is None) for a, b in zip(fc1, fc2))
+
+
+# ---- DeepSeek-V4 attention through the fixed-schedule FlashMLA kernel (phase-agnostic adapter) ----------------
+from flashmla_emulation import dequant_v4, install_emulation, v4_cache  # noqa: E402
+
+
+def _dsv4_case(g, compress_ratio, window=128, top_k=64, bs=8):
+    """Three requests with their compressed and SWA caches (V4 layout), block tables, and query tokens at
+    assorted positions (one padding token). Returns (kwargs for the adapter minus q, q, positions, reqs, valid,
+    and the float64 dequantised caches)."""
+    lens = (300, 70, 9)
+    nreq = len(lens)
+    swa_blocks = -(-max(lens) // bs)
+    swa, swa_deq = v4_cache(nreq * swa_blocks + 2, bs, seed=int(torch.randint(0, 1000, (1,), generator=g)))
+    swa_bt = torch.randperm(nreq * swa_blocks + 2, generator=g)[: nreq * swa_blocks].view(nreq, swa_blocks).int()
+    kw = dict(window_size=window, swa_k_cache=swa, swa_block_table=swa_bt, swa_block_size=bs, sm_scale=0.06)
+    comp_deq = None
+    if compress_ratio > 1:
+        nc = -(-max(lens) // compress_ratio)
+        c_blocks = -(-nc // bs)
+        comp, comp_deq = v4_cache(nreq * c_blocks + 1, bs, seed=int(torch.randint(0, 1000, (1,), generator=g)))
+        c_bt = torch.randperm(nreq * c_blocks + 1, generator=g)[: nreq * c_blocks].view(nreq, c_blocks).int()
+        kw.update(compress_ratio=compress_ratio, top_k=top_k, compressed_k_cache=comp, compressed_block_table=c_bt,
+                  compressed_block_size=bs)
+    else:
+        kw.update(compress_ratio=1, top_k=0, compressed_k_cache=None, compressed_block_table=None,
+                  compressed_block_size=1)
+    toks = [(0, p) for p in (0, 3, 4, 130, 250, 299)] + [(1, p) for p in (10, 69)] + [(2, 8)]
+    pos = torch.tensor([p for _, p in toks])
+    req = torch.tensor([r for r, _ in toks], dtype=torch.int32)
+    valid = torch.ones(len(toks), dtype=torch.bool)
+    valid[4] = False  # a padding token
+    if compress_ratio == 4:
+        tl = torch.full((len(toks), top_k), -1, dtype=torch.int32)
+        for t, (_r, p) in enumerate(toks):
+            n = min((p + 1) // 4, top_k)
+            tl[t, :n] = torch.randperm((p + 1) // 4, generator=g)[:n].int()
+        kw["topk_local"] = tl
+    else:
+        kw["topk_local"] = None
+    q = (torch.randn(len(toks), 64, 512, generator=g) * 0.3).to(torch.bfloat16)
+    return kw, q, pos, req, valid, swa_deq, comp_deq
+
+
+def _dsv4_reference(kw, q, pos, req, valid, swa_deq, comp_deq, sink):
+    outs = []
+    bs, cr = kw["swa_block_size"], kw["compress_ratio"]
+    for t in range(q.shape[0]):
+        if not bool(valid[t]):
+            outs.append(torch.zeros(q.shape[1], 512, dtype=torch.float64))
+            continue
+        p, r = int(pos[t]), int(req[t])
+        ent = []
+        if cr > 1:
+            n = min((p + 1) // cr, kw["top_k"])
+            cpos = kw["topk_local"][t, :n].tolist() if kw["topk_local"] is not None else list(range(n))
+            cb = kw["compressed_block_size"]
+            ent += [comp_deq[int(kw["compressed_block_table"][r, c // cb]) * cb + c % cb] for c in cpos]
+        ent += [swa_deq[int(kw["swa_block_table"][r, s // bs]) * bs + s % bs]
+                for s in range(max(p - kw["window_size"] + 1, 0), p + 1)]
+        kv = torch.stack(ent)
+        sc = (q[t].double() @ kv.T) * kw["sm_scale"]
+        lse = torch.logsumexp(sc, -1)
+        outs.append((torch.softmax(sc, -1) @ kv) / (1 + torch.exp(sink.double() - lse))[:, None])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("compress_ratio", [1, 4, 128])
+def test_dsv4_fixed_schedule_adapter_reference_phase_and_batch_invariance(seeded, monkeypatch, compress_ratio):
+    """The adapter's lists (compressed entries in the prefill order, then the window) reach the kernel as main and
+    extra lists with their lengths: equal to a float64 reference over the same entries; a token computed inside
+    a prefill chunk, alone as a decode token, or among other requests' tokens gives the same bits (under the CPU
+    emulation of the kernel's contract, which raises unless every row is whole at its own block count)."""
+    install_emulation(monkeypatch)
+    g = seeded()
+    kw, q, pos, req, valid, swa_deq, comp_deq = _dsv4_case(g, compress_ratio)
+    sink = torch.linspace(-1, 1, 64)
+    o, lse = zv.dsv4_fixed_schedule_attention(q, pos, req, valid, attn_sink=sink, **kw)
+    ref = _dsv4_reference(kw, q, pos, req, valid, swa_deq, comp_deq, sink)
+    assert torch.allclose(o.double(), ref, atol=2e-2, rtol=2e-2)
+    assert bool((o[4].float() == 0).all()), "a padding token must give 0"
+    for t in (0, 5, 7):  # alone (decode) == inside the batch (prefill chunk + other requests)
+        sub = dict(kw)
+        if kw["topk_local"] is not None:
+            sub["topk_local"] = kw["topk_local"][t:t + 1]
+        a = zv.dsv4_fixed_schedule_attention(q[t:t + 1], pos[t:t + 1], req[t:t + 1], valid[t:t + 1], attn_sink=sink,
+                                             **sub)
+        assert torch.equal(a[0][0], o[t]) and torch.equal(a[1][0], lse[t]), t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compress_ratio", [1, 4, 128])
+def test_gpu_dsv4_fixed_schedule_adapter_reference_and_invariance(seeded, compress_ratio):
+    """The same checks with FlashMLA's real FP8 decode kernel (written 2026-11-30 after the last GPU call; first
+    run pending): float64 reference, padding token 0, each token alone == inside the batch."""
+    from zerodiff import backends
+
+    if backends.flash_mla() is None:
+        pytest.skip(f"FlashMLA not importable: {backends.status()['flashmla']['detail']}")
+    g = seeded()
+    kw, q, pos, req, valid, swa_deq, comp_deq = _dsv4_case(g, compress_ratio)
+    sink = torch.linspace(-1, 1, 64)
+    ref = _dsv4_reference(kw, q, pos, req, valid, swa_deq, comp_deq, sink)
+    kc = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    qc, pc, rc, vc, sc = q.cuda(), pos.cuda(), req.cuda(), valid.cuda(), sink.cuda()
+    o, lse = zv.dsv4_fixed_schedule_attention(qc, pc, rc, vc, attn_sink=sc, **kc)
+    assert torch.allclose(o.cpu().double(), ref, atol=2e-2, rtol=2e-2)
+    assert bool((o[4].float() == 0).all())
+    for t in (0, 5, 7):
+        sub = dict(kc)
+        if kc["topk_local"] is not None:
+            sub["topk_local"] = kc["topk_local"][t:t + 1]
+        a = zv.dsv4_fixed_schedule_attention(qc[t:t + 1], pc[t:t + 1], rc[t:t + 1], vc[t:t + 1], attn_sink=sc, **sub)
+        assert torch.equal(a[0][0], o[t]) and torch.equal(a[1][0], lse[t]), t

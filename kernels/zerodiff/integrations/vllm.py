@@ -80,6 +80,11 @@ Adapters (upstream tensors/layouts -> zerodiff ops)
   the indexer's order, then the SWA window ascending), dequantised bit-exactly (``dsv4_dequant_rows``) into a BF16
   workspace (``dsv4_decode_workspace``) padded to the prefill width (``dsv4_workspace_width``), then
   ``flash_mla_sparse_fwd``; never the FP8 decode kernel.
+* ``dsv4_fixed_schedule_attention(q, positions, token_to_req, is_valid, *, ...)``: every DeepSeek-V4 attention
+  token, prefill or decode, through one row of FlashMLA's FP8 decode kernel under zerodiff's fixed schedule
+  (``zerodiff.ops.flashmla_fp8_decode.flashmla_fp8_attention``): the compressed entries the prefill path gives
+  the token as the main list, the sliding window as the extra list, both read in place (no BF16 workspace). The
+  building block of the faster DeepSeek-V4 route; not yet wired into a patch (needs its GPU run first).
 Adapters called inside vLLM's compiled model forward (router, RMSNorm, FP8 linear, SwiGLU) run through torch
 custom ops (``zerodiff_vllm::*``) so Dynamo treats them as opaque. The others are called from code vLLM
 already runs outside the compiled graph (the indexer and MoE custom ops, the sampler).
@@ -98,6 +103,7 @@ __all__ = [
     "validate_config",
     "config_values",
     "check_vllm_config",
+    "dsv4_fixed_schedule_attention",
     "indexer_topk_decode",
     "indexer_topk_prefill",
     "short_context_uses_fill",
@@ -990,3 +996,69 @@ def dsv4_decode_attention(layer: Any, q: torch.Tensor, positions: torch.Tensor, 
                                     window_size=int(layer.window_size))
     sparse_fwd(q=q, kv=kv.view(-1, 1, kv.shape[-1]), indices=idx, sm_scale=layer.scale,
                attn_sink=layer.attn_sink, topk_length=entries[3], out=output)
+
+
+def dsv4_fixed_schedule_attention(q: torch.Tensor, positions: torch.Tensor, token_to_req: torch.Tensor,
+                                  is_valid: torch.Tensor, *, compress_ratio: int, top_k: int, window_size: int,
+                                  topk_local: torch.Tensor | None, compressed_k_cache: torch.Tensor | None,
+                                  compressed_block_table: torch.Tensor | None, compressed_block_size: int,
+                                  swa_k_cache: torch.Tensor, swa_block_table: torch.Tensor, swa_block_size: int,
+                                  sm_scale: float, attn_sink: torch.Tensor | None = None,
+                                  out: torch.Tensor | None = None):
+    """DeepSeek-V4 attention for any set of tokens (prefill chunk, decode batch, training micro-batch) through
+    ``flashmla_fp8_attention`` (FlashMLA's FP8 decode kernel under zerodiff's batch-independent schedule, one
+    piece per row, DeepSeek-V4 cache layout read in place):
+
+    * main list: the compressed entries of the token (C4A: the first ``min((pos + 1) // ratio, top_k)`` entries
+      of the indexer's ``topk_local`` in its order; C128A: positions ``0 .. n-1``), as global slots of
+      ``compressed_k_cache`` through ``compressed_block_table``, cut by ``topk_length``; width ``round_up(top_k,
+      64)``. SWA-only layers (``compress_ratio <= 1``): the window is the main list and there is no extra list;
+    * extra list: the sliding window ``max(pos - window + 1, 0) .. pos`` ascending, global slots of
+      ``swa_k_cache`` through ``swa_block_table``, cut by ``extra_topk_length``; width ``round_up(window, 64)``.
+
+    The lists are built with :func:`dsv4_decode_entries` (the order the prefill path uses), so a token's
+    inputs never depend on which phase or batch it is in, and the kernel's schedule keeps each row whole:
+    its output is the same bits in any batch. ``q`` bf16 [T, H (64 or 128), 512]; ``token_to_req`` int [T]
+    (rows of the block tables); ``is_valid`` bool [T] (padding tokens: empty row, output 0). Returns
+    ``(out bf16 [T, H, 512], lse fp32 [T, H])``. Written for vLLM 0.33.0's DeepSeek-V4 metadata; CPU-tested
+    against an emulation of the kernel's contract, **not yet run on a GPU**."""
+    from ..ops import flashmla_fp8_decode as fd
+
+    T = q.shape[0]
+    cr = int(compress_ratio) if compressed_k_cache is not None else 1
+    tk = int(top_k) if cr > 1 else 0
+    win = int(window_size)
+    width = max(tk + win, 1)
+    from_swa, blk, off, lens = dsv4_decode_entries(
+        positions, token_to_req, is_valid, compress_ratio=cr, top_k=tk, window_size=win, width=width,
+        topk_local=topk_local, compressed_block_table=compressed_block_table,
+        compressed_block_size=int(compressed_block_size), swa_block_table=swa_block_table,
+        swa_block_size=int(swa_block_size))
+    dev = q.device
+    lens = lens.long()
+    pos = positions.reshape(T).long().clamp(min=0)
+    valid = is_valid.reshape(-1)[:T].bool()
+    n_c = torch.clamp((pos + 1) // cr, max=tk) if cr > 1 else torch.zeros_like(pos)
+    n_c = torch.where(valid, n_c, torch.zeros_like(n_c))
+    n_s = lens - n_c  # window entries actually in the list
+    swa_slot = blk * int(swa_block_size) + off
+    c_slot = blk * int(compressed_block_size) + off
+
+    def gather_list(slots, start, count, w):
+        jj = torch.arange(w, device=dev).view(1, w)
+        src = (start.view(T, 1) + jj).clamp(max=width - 1)
+        vals = slots.gather(1, src)
+        return torch.where(jj < count.view(T, 1), vals, torch.full_like(vals, -1)).to(torch.int32)
+
+    w_win = -(-win // fd.TOPK_BLOCK) * fd.TOPK_BLOCK
+    if cr > 1:
+        w_main = max(-(-tk // fd.TOPK_BLOCK) * fd.TOPK_BLOCK, fd.TOPK_BLOCK)
+        main = gather_list(c_slot, torch.zeros_like(n_c), n_c, w_main)
+        extra = gather_list(swa_slot, n_c, n_s, w_win)
+        return fd.flashmla_fp8_attention(q, compressed_k_cache, main, sm_scale, attn_sink=attn_sink, out=out,
+                                         pieces_per_row=1, topk_length=n_c.to(torch.int32),
+                                         extra_kv_cache=swa_k_cache, extra_indices=extra,
+                                         extra_topk_length=n_s.to(torch.int32))
+    main = gather_list(swa_slot, torch.zeros_like(n_s), n_s, w_win)
+    return fd.flashmla_fp8_attention(q, swa_k_cache, main, sm_scale, attn_sink=attn_sink, out=out, pieces_per_row=1,
+                                     topk_length=n_s.to(torch.int32))
