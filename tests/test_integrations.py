@@ -1649,3 +1649,90 @@ def test_gpu_dsv4_fixed_schedule_adapter_reference_and_invariance(seeded, compre
             sub["topk_local"] = kc["topk_local"][t:t + 1]
         a = zv.dsv4_fixed_schedule_attention(qc[t:t + 1], pc[t:t + 1], rc[t:t + 1], vc[t:t + 1], attn_sink=sc, **sub)
         assert torch.equal(a[0][0], o[t]) and torch.equal(a[1][0], lse[t]), t
+
+
+def test_dsv4_read_route_env():
+    assert zv.dsv4_read_route({}) == "prefill_path"
+    assert zv.dsv4_read_route({"ZERODIFF_DSV4_READ": "fixed_schedule"}) == "fixed_schedule"
+    with pytest.raises(ConfigError, match="ZERODIFF_DSV4_READ"):
+        zv.dsv4_read_route({"ZERODIFF_DSV4_READ": "fast"})
+
+
+def _dsv4_step(g, cr, reqs, pad=2, bs=8, window=128, top_k=64):
+    """One vLLM step: ``reqs`` = list of (request length so far, positions of this step's tokens), decode
+    requests first; fake layer and metadata objects as vLLM 0.33.0's DeepSeek-V4 backend passes them."""
+    nreq = len(reqs)
+    maxlen = max(L for L, _ in reqs)
+    sb = -(-maxlen // bs)
+    swa, _ = v4_cache(nreq * sb + 1, bs, seed=int(torch.randint(0, 999, (1,), generator=g)))
+    swa_bt = torch.randperm(nreq * sb + 1, generator=g)[: nreq * sb].view(nreq, sb).int()
+    toks = [(r, p) for r, (_L, ps) in enumerate(reqs) for p in ps]
+    T = len(toks) + pad
+    pos = torch.tensor([p for _, p in toks] + [0] * pad)
+    qsl = torch.tensor([0] + list(torch.tensor([len(ps) for _, ps in reqs]).cumsum(0).tolist()), dtype=torch.int32)
+    layer = NS(compress_ratio=cr, window_size=window, scale=0.06, attn_sink=torch.linspace(-1, 1, 64),
+               max_model_len=4 * maxlen, swa_cache_layer=NS(kv_cache=swa))
+    attn = None
+    if cr > 1:
+        nc = -(-maxlen // cr)
+        cb = -(-nc // bs)
+        comp, _ = v4_cache(nreq * cb + 1, bs, seed=int(torch.randint(0, 999, (1,), generator=g)))
+        layer.kv_cache = comp
+        attn = NS(block_size=bs * cr, block_table=torch.randperm(nreq * cb + 1, generator=g)[: nreq * cb]
+                  .view(nreq, cb).int())
+        if cr == 4:
+            buf = torch.full((T, top_k), -1, dtype=torch.int32)
+            for t, (_r, p) in enumerate(toks):
+                n = min((p + 1) // 4, top_k)
+                buf[t, :n] = torch.randperm((p + 1) // 4, generator=g)[:n].int()
+            layer.topk_indices_buffer = buf
+    nd = sum(1 for _L, ps in reqs if len(ps) == 1)
+    swa_md = NS(num_decodes=nd, num_prefills=nreq - nd, query_start_loc=qsl, block_table=swa_bt, block_size=bs,
+                is_valid_token=torch.tensor([True] * len(toks) + [False] * pad), prefill_left_visible=None,
+                prefill_right_visible=None)
+    q = (torch.randn(T, 64, 512, generator=g) * 0.3).to(torch.bfloat16)
+    return layer, attn, swa_md, q, pos, toks
+
+
+@pytest.mark.parametrize("cr", [1, 4, 128])
+def test_dsv4_forward_fixed_schedule_decode_equals_prefill_and_padding(seeded, monkeypatch, cr):
+    """The forward_mqa body of the fixed_schedule route: a token decoded in a decode batch and the same token
+    computed inside a prefill chunk (other requests, other order) give the same bits; padding tokens give 0;
+    in-image windows are refused. (CPU emulation of the kernel's contract; the GPU run is pending.)"""
+    install_emulation(monkeypatch)
+    g = seeded()
+    # step A: request 0 decodes position 200 among other decodes; request 2 prefills a chunk ending at 200
+    layer, attn, md, q, pos, toks = _dsv4_step(g, cr, [(201, [200]), (90, [89]), (201, list(range(150, 201)))])
+    out = torch.empty_like(q)
+    zv.dsv4_forward_fixed_schedule(layer, q, pos, out, md, attn)
+    assert bool((out[-2:].float() == 0).all()), "padding tokens must give 0"
+    # every token == the adapter on that token alone with its known request row (catches a wrong row mapping)
+    for t, (r, _p) in enumerate(toks):
+        kw = dict(compress_ratio=1, top_k=0, topk_local=None, compressed_k_cache=None, compressed_block_table=None,
+                  compressed_block_size=1)
+        if cr > 1:
+            top_k = layer.topk_indices_buffer.shape[-1] if cr == 4 else -(-(-(-layer.max_model_len // cr)) // 128) * 128
+            kw = dict(compress_ratio=cr, top_k=top_k, compressed_k_cache=layer.kv_cache,
+                      topk_local=layer.topk_indices_buffer[t:t + 1] if cr == 4 else None,
+                      compressed_block_table=attn.block_table, compressed_block_size=attn.block_size // cr)
+        one, _ = zv.dsv4_fixed_schedule_attention(
+            q[t:t + 1], pos[t:t + 1], torch.tensor([r]), torch.tensor([True]), window_size=layer.window_size,
+            swa_k_cache=layer.swa_cache_layer.kv_cache, swa_block_table=md.block_table, swa_block_size=md.block_size,
+            sm_scale=layer.scale, attn_sink=layer.attn_sink, **kw)
+        assert torch.equal(one[0], out[t]), (cr, t, r)
+    # the same caches and rows: make request 2 hold request 0's data, so token 200 is the same input in both phases
+    t_dec = 0
+    t_pre = len(toks) - 1  # request 2's last token (position 200)
+    layer.swa_cache_layer.kv_cache  # same cache object
+    md.block_table[2] = md.block_table[0]
+    if attn is not None:
+        attn.block_table[2] = attn.block_table[0]
+        if cr == 4:
+            layer.topk_indices_buffer[t_pre] = layer.topk_indices_buffer[t_dec]
+    q[t_pre] = q[t_dec]
+    out2 = torch.empty_like(q)
+    zv.dsv4_forward_fixed_schedule(layer, q, pos, out2, md, attn)
+    assert torch.equal(out2[t_pre], out2[t_dec]), "decode token != the same token inside a prefill chunk"
+    md.prefill_left_visible = torch.zeros(len(toks), dtype=torch.int32)
+    with pytest.raises(ConfigError, match="in-image"):
+        zv.dsv4_forward_fixed_schedule(layer, q, pos, out2, md, attn)

@@ -80,6 +80,10 @@ Adapters (upstream tensors/layouts -> zerodiff ops)
   the indexer's order, then the SWA window ascending), dequantised bit-exactly (``dsv4_dequant_rows``) into a BF16
   workspace (``dsv4_decode_workspace``) padded to the prefill width (``dsv4_workspace_width``), then
   ``flash_mla_sparse_fwd``; never the FP8 decode kernel.
+* ``dsv4_read_route(environ=None)`` -> "prefill_path" (default: decode through the prefill read path, above) or
+  "fixed_schedule" (``ZERODIFF_DSV4_READ=fixed_schedule``: every token through the function below);
+  ``dsv4_forward_fixed_schedule(layer, q, positions, output, swa_metadata, attn_metadata)``: the body of
+  ``DeepseekV4FlashMLAAttention.forward_mqa`` in that route (all tokens of the step, decode and prefill, one call).
 * ``dsv4_fixed_schedule_attention(q, positions, token_to_req, is_valid, *, ...)``: every DeepSeek-V4 attention
   token, prefill or decode, through one row of FlashMLA's FP8 decode kernel under zerodiff's fixed schedule
   (``zerodiff.ops.flashmla_fp8_decode.flashmla_fp8_attention``): the compressed entries the prefill path gives
@@ -92,6 +96,7 @@ already runs outside the compiled graph (the indexer and MoE custom ops, the sam
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -104,6 +109,8 @@ __all__ = [
     "config_values",
     "check_vllm_config",
     "dsv4_fixed_schedule_attention",
+    "dsv4_forward_fixed_schedule",
+    "dsv4_read_route",
     "indexer_topk_decode",
     "indexer_topk_prefill",
     "short_context_uses_fill",
@@ -1062,3 +1069,75 @@ def dsv4_fixed_schedule_attention(q: torch.Tensor, positions: torch.Tensor, toke
     main = gather_list(swa_slot, torch.zeros_like(n_s), n_s, w_win)
     return fd.flashmla_fp8_attention(q, swa_k_cache, main, sm_scale, attn_sink=attn_sink, out=out, pieces_per_row=1,
                                      topk_length=n_s.to(torch.int32))
+
+
+DSV4_READ_ENV = "ZERODIFF_DSV4_READ"
+DSV4_READ_ROUTES = ("prefill_path", "fixed_schedule")
+
+
+def dsv4_read_route(environ=None) -> str:
+    """The DeepSeek-V4 attention read route in consistency mode: ``ZERODIFF_DSV4_READ`` = "prefill_path"
+    (default; decode tokens through the prefill path's workspace + ``flash_mla_sparse_fwd``) or "fixed_schedule"
+    (every token, prefill and decode, through :func:`dsv4_forward_fixed_schedule`; faster, its GPU run inside vLLM
+    is pending). Anything else is refused with a message naming the variable."""
+    env = os.environ if environ is None else environ
+    v = env.get(DSV4_READ_ENV, "prefill_path").strip() or "prefill_path"
+    if v not in DSV4_READ_ROUTES:
+        raise ConfigError(f"zerodiff: {DSV4_READ_ENV}={v!r} is not one of {list(DSV4_READ_ROUTES)}")
+    return v
+
+
+def dsv4_forward_fixed_schedule(layer: Any, q: torch.Tensor, positions: torch.Tensor, output: torch.Tensor,
+                                swa_metadata: Any, attn_metadata: Any) -> None:
+    """Consistency-mode body of ``DeepseekV4FlashMLAAttention.forward_mqa`` (vLLM 0.33.0) in the "fixed_schedule"
+    route: all tokens of the step (decode tokens first, then prefill tokens, as vLLM orders them) in one
+    :func:`dsv4_fixed_schedule_attention` call; a token's request row comes from ``query_start_loc``, so the
+    decode and prefill rows of the block tables are addressed alike and a token's lists never depend on its
+    phase. Padding tokens (``is_valid_token`` false, or past the last request) give 0. Refused: multimodal
+    in-image windows (``prefill_left_visible`` / ``prefill_right_visible``), compress ratios other than 1, 4, 128.
+    Writes ``output`` [T, heads, 512] in place."""
+    if getattr(swa_metadata, "prefill_left_visible", None) is not None or \
+            getattr(swa_metadata, "prefill_right_visible", None) is not None:
+        raise ConfigError("zerodiff DSV4 fixed_schedule route: in-image (bidirectional) windows are not supported; "
+                          f"unset {DSV4_READ_ENV} (the prefill_path route) for multimodal inputs")
+    T = q.shape[0]
+    dev = q.device
+    num_reqs = int(swa_metadata.num_decodes) + int(swa_metadata.num_prefills)
+    qsl = swa_metadata.query_start_loc[: num_reqs + 1].to(device=dev, dtype=torch.long)
+    tok = torch.arange(T, device=dev, dtype=torch.long)
+    token_to_req = torch.searchsorted(qsl[1:].contiguous(), tok, right=True).clamp(max=max(num_reqs - 1, 0))
+    in_batch = tok < qsl[num_reqs]
+    valid_src = getattr(swa_metadata, "is_valid_token", None)
+    if valid_src is not None:
+        v = valid_src.reshape(-1)[:T].to(device=dev, dtype=torch.bool)
+        if v.shape[0] < T:
+            v = torch.cat([v, torch.zeros(T - v.shape[0], dtype=torch.bool, device=dev)])
+        in_batch = in_batch & v
+    cr = int(layer.compress_ratio)
+    kw = dict(compress_ratio=1, top_k=0, topk_local=None, compressed_k_cache=None, compressed_block_table=None,
+              compressed_block_size=1)
+    if cr > 1:
+        if attn_metadata is None:
+            raise ConfigError("zerodiff DSV4 fixed_schedule route: a compressed layer got no FlashMLA metadata")
+        cbs = int(attn_metadata.block_size) // cr
+        if cbs < 1:
+            raise ConfigError(f"zerodiff DSV4: block_size={attn_metadata.block_size} < compress_ratio={cr}")
+        if cr == 4:
+            topk_local = layer.topk_indices_buffer[:T]
+            top_k = int(topk_local.shape[-1])
+        elif cr == 128:
+            topk_local = None
+            n = -(-int(layer.max_model_len) // cr)
+            top_k = -(-n // DSV4_TOPK_ALIGN) * DSV4_TOPK_ALIGN
+        else:
+            raise ConfigError(f"zerodiff DSV4: compress_ratio={cr} (expected 1, 4 or 128)")
+        kw = dict(compress_ratio=cr, top_k=top_k, topk_local=topk_local, compressed_k_cache=layer.kv_cache,
+                  compressed_block_table=attn_metadata.block_table[:num_reqs], compressed_block_size=cbs)
+    out = output if output.is_contiguous() else None
+    res, _lse = dsv4_fixed_schedule_attention(
+        q, positions[:T], token_to_req, in_batch, window_size=int(layer.window_size),
+        swa_k_cache=layer.swa_cache_layer.kv_cache, swa_block_table=swa_metadata.block_table[:num_reqs],
+        swa_block_size=int(swa_metadata.block_size), sm_scale=float(layer.scale),
+        attn_sink=getattr(layer, "attn_sink", None), out=out, **kw)
+    if out is None:
+        output.copy_(res)

@@ -544,12 +544,7 @@ def flashmla_fp8_attention(q, kv_cache, indices, sm_scale: float, *, attn_sink=N
     if H not in (64, 128):
         raise ValueError(f"zerodiff.flashmla_fp8: FlashMLA's decode kernel takes 64 or 128 heads, got {H}")
     bpt = LAYOUT_BYTES[D]
-    if kv_cache.dim() == 3:
-        kv_cache = kv_cache.unsqueeze(2)
-    if (kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.shape[2] != 1 or kv_cache.shape[3] != bpt
-            or not kv_cache.is_contiguous()):
-        raise ValueError(f"zerodiff.flashmla_fp8: kv_cache must be contiguous uint8 [num_blocks, block_size, (1,) {bpt}] "
-                         f"for d_qk={D}, got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    kv_cache = _as_flashmla_cache(kv_cache, bpt, "kv_cache", D)
     if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != Q:
         raise ValueError(f"zerodiff.flashmla_fp8: indices must be int32 [{Q}, K], got {indices.dtype} {tuple(indices.shape)}")
     if attn_sink is not None and (attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (H,)):
@@ -577,12 +572,7 @@ def flashmla_fp8_attention(q, kv_cache, indices, sm_scale: float, *, attn_sink=N
             if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (Q,)):
                 raise ValueError(f"zerodiff.flashmla_fp8: {name} must be int32 [{Q}], got {t.dtype} {tuple(t.shape)}")
         if extra_kv_cache is not None:
-            if extra_kv_cache.dim() == 3:
-                extra_kv_cache = extra_kv_cache.unsqueeze(2)
-            if (extra_kv_cache.dtype != torch.uint8 or extra_kv_cache.dim() != 4 or extra_kv_cache.shape[2] != 1
-                    or extra_kv_cache.shape[3] != bpt or not extra_kv_cache.is_contiguous()):
-                raise ValueError(f"zerodiff.flashmla_fp8: extra_kv_cache must be contiguous uint8 [num_blocks, "
-                                 f"block_size, (1,) {bpt}], got {extra_kv_cache.dtype} {tuple(extra_kv_cache.shape)}")
+            extra_kv_cache = _as_flashmla_cache(extra_kv_cache, bpt, "extra_kv_cache", D)
             if extra_indices.dtype != torch.int32 or extra_indices.dim() != 2 or extra_indices.shape[0] != Q \
                     or extra_indices.shape[1] == 0:
                 raise ValueError(f"zerodiff.flashmla_fp8: extra_indices must be int32 [{Q}, K2 > 0], got "
@@ -611,6 +601,22 @@ def flashmla_fp8_attention(q, kv_cache, indices, sm_scale: float, *, attn_sink=N
                      extra_topk_length=extra_topk_length)
     _run_fixed(q, kv_cache, idx, sm_scale, attn_sink, P, out, lse, bad, False, extra)
     return out, lse
+
+
+def _as_flashmla_cache(c, bpt: int, name: str, d_qk: int):
+    """A paged FP8 cache as FlashMLA takes it: uint8 [num_blocks, block_size, 1, bpt] whose tokens are contiguous
+    inside a block (a block stride larger than block_size * bpt, vLLM's padded blocks, is allowed)."""
+    if not isinstance(c, torch.Tensor) or c.dtype != torch.uint8 or c.dim() not in (3, 4):
+        raise ValueError(f"zerodiff.flashmla_fp8: {name} must be uint8 [num_blocks, block_size, (1,) {bpt}] for "
+                         f"d_qk={d_qk}, got {getattr(c, 'dtype', type(c))} {tuple(getattr(c, 'shape', ()))}")
+    if c.dim() == 3:
+        c = c.unsqueeze(2)
+    nb, bs, one, b = c.shape
+    if one != 1 or b != bpt or c.stride(3) != 1 or c.stride(1) != bpt or c.stride(0) < bs * bpt:
+        raise ValueError(f"zerodiff.flashmla_fp8: {name} must be uint8 [num_blocks, block_size, (1,) {bpt}] with the "
+                         f"tokens of a block contiguous (d_qk={d_qk}), got shape {tuple(c.shape)} strides "
+                         f"{tuple(c.stride())}")
+    return c
 
 
 def sanitize_indices(indices, capacity: int):
