@@ -1652,6 +1652,8 @@ def test_gpu_dsv4_fixed_schedule_adapter_reference_and_invariance(seeded, compre
 
 
 def test_dsv4_read_route_env():
+    with pytest.raises(ConfigError, match="ZERODIFF_DSV4_READ"):  # refused at engine start
+        zv.check_vllm_config(NS(), environ={"ZERODIFF_CONSISTENT": "1", "ZERODIFF_DSV4_READ": "fast"})
     assert zv.dsv4_read_route({}) == "prefill_path"
     assert zv.dsv4_read_route({"ZERODIFF_DSV4_READ": "fixed_schedule"}) == "fixed_schedule"
     with pytest.raises(ConfigError, match="ZERODIFF_DSV4_READ"):

@@ -247,6 +247,7 @@ def check_vllm_config(vllm_config: Any, environ=None) -> bool:
     if getattr(_get(vllm_config, "model_config"), "is_submodel_config", False):
         return True  # a with_hf_config() view; its parent was validated
     validate_config(**config_values(vllm_config))
+    dsv4_read_route(environ)  # a bad ZERODIFF_DSV4_READ fails at start, not at the first attention call
     return True
 
 
