@@ -1738,3 +1738,58 @@ def test_dsv4_forward_fixed_schedule_decode_equals_prefill_and_padding(seeded, m
     md.prefill_left_visible = torch.zeros(len(toks), dtype=torch.int32)
     with pytest.raises(ConfigError, match="in-image"):
         zv.dsv4_forward_fixed_schedule(layer, q, pos, out2, md, attn)
+
+
+@pytest.mark.parametrize("heads", [32, 64, 128])
+def test_dsv32_sparse_fp8_adapter_reference_heads_and_batch_invariance(seeded, monkeypatch, heads):
+    """FlashMLASparseImpl's FP8-cache path in consistency mode: vLLM's converter gives global 64-token-page slots,
+    q is padded to 64 / 128 heads and the output sliced back, every token through the fixed-schedule kernel:
+    ~= float64 reference, a token alone == inside the batch (CPU emulation of the kernel's contract)."""
+    from zerodiff.ops import flashmla_fp8_decode as fd
+    from zerodiff.ops import kv_cache as kvc
+    from zerodiff.reference.sparse_attention import sparse_attention_ref
+
+    install_emulation(monkeypatch)
+    g = seeded()
+    lens, bs = (300, 130, 77), 64
+    nb = sum(-(-L // bs) for L in lens) + 2
+    perm = torch.randperm(nb, generator=g).int()
+    bt = torch.full((3, -(-max(lens) // bs)), 0, dtype=torch.int32)
+    used, slots = 0, []
+    for b, L in enumerate(lens):
+        n = -(-L // bs)
+        bt[b, :n] = perm[used:used + n]
+        used += n
+        slots += [int(bt[b, p // bs]) * bs + p % bs for p in range(L)]
+    cache = kvc.new_kv_cache(nb, bs)
+    kvc.write_kv_cache((torch.randn(len(slots), 512, generator=g) * 2).bfloat16(),
+                       torch.randn(len(slots), 64, generator=g).bfloat16(), cache,
+                       torch.tensor(slots, dtype=torch.int64), backend="reference")
+    T, K = 9, 128
+    req = torch.tensor([0, 1, 2, 0, 0, 1, 2, 2, 0], dtype=torch.int32)
+    topk = torch.full((T, K), -1, dtype=torch.int32)
+    for t in range(T):
+        L = lens[int(req[t])]
+        k = min(L, K - 5 * t)
+        topk[t, :k] = torch.randperm(L, generator=g)[:k].int()
+    q = (torch.randn(T, heads, 576, generator=g) * 0.3).bfloat16()
+
+    def convert(req_id, block_table, token_indices, BLOCK_SIZE=64, BLOCK_STRIDE_ROWS=None, NUM_TOPK_TOKENS=2048):
+        assert BLOCK_STRIDE_ROWS is None and NUM_TOPK_TOKENS == token_indices.shape[1]
+        return fd._translate_torch(block_table, req_id, token_indices, nb, BLOCK_SIZE)[0]
+
+    impl = NS(softmax_scale=0.05, dcp_world_size=1)
+    md = NS(block_size=bs, block_table=bt, req_id_per_token=req)
+    out, lse = zv.dsv32_sparse_fp8_attention(impl, q, cache, topk, md, lambda c, b: (c, None), convert)
+    assert lse is None and out.shape == (T, heads, 512)
+    ws = kvc.gather_kv(cache, bt, req, topk, backend="reference")
+    ro, _ = sparse_attention_ref(q, ws.view(-1, 576), kvc.workspace_indices(topk), 0.05, return_fp64=True)
+    assert torch.allclose(out.double(), ro, atol=2e-2, rtol=2e-2)
+    for t in (0, 4, 8):
+        md1 = NS(block_size=bs, block_table=bt, req_id_per_token=req[t:t + 1])
+        one, _ = zv.dsv32_sparse_fp8_attention(impl, q[t:t + 1], cache, topk[t:t + 1], md1, lambda c, b: (c, None),
+                                               convert)
+        assert torch.equal(one[0], out[t]), t
+    with pytest.raises(ConfigError, match="context parallelism"):
+        zv.dsv32_sparse_fp8_attention(NS(softmax_scale=0.05, dcp_world_size=2), q, cache, topk, md,
+                                      lambda c, b: (c, None), convert)

@@ -80,6 +80,10 @@ Adapters (upstream tensors/layouts -> zerodiff ops)
   the indexer's order, then the SWA window ascending), dequantised bit-exactly (``dsv4_dequant_rows``) into a BF16
   workspace (``dsv4_decode_workspace``) padded to the prefill width (``dsv4_workspace_width``), then
   ``flash_mla_sparse_fwd``; never the FP8 decode kernel.
+* ``dsv32_sparse_fp8_attention(impl, q, kv_cache, topk_indices, attn_metadata, kv_pages_fn, convert_fn)``: the
+  FP8-cache (``fp8_ds_mla``) body of ``FlashMLASparseImpl.forward_mqa`` (DeepSeek-V3.2-style sparse MLA): every
+  token, prefill and decode, through FlashMLA's FP8 decode kernel under zerodiff's fixed schedule on the global
+  slots vLLM's own converter gives (``flashmla_fp8_attention``), instead of the batch-shaped stock schedule.
 * ``dsv4_read_route(environ=None)`` -> "prefill_path" (default: decode through the prefill read path, above) or
   "fixed_schedule" (``ZERODIFF_DSV4_READ=fixed_schedule``: every token through the function below);
   ``dsv4_forward_fixed_schedule(layer, q, positions, output, swa_metadata, attn_metadata)``: the body of
@@ -109,6 +113,7 @@ __all__ = [
     "config_values",
     "check_vllm_config",
     "dsv4_fixed_schedule_attention",
+    "dsv32_sparse_fp8_attention",
     "dsv4_forward_fixed_schedule",
     "dsv4_read_route",
     "indexer_topk_decode",
@@ -1142,3 +1147,41 @@ def dsv4_forward_fixed_schedule(layer: Any, q: torch.Tensor, positions: torch.Te
         attn_sink=getattr(layer, "attn_sink", None), out=out, **kw)
     if out is None:
         output.copy_(res)
+
+
+def dsv32_sparse_fp8_attention(impl: Any, q: torch.Tensor, kv_cache: torch.Tensor, topk_indices: torch.Tensor,
+                               attn_metadata: Any, kv_pages_fn, convert_fn):
+    """Consistency-mode body of ``FlashMLASparseImpl.forward_mqa`` (vLLM 0.33.0,
+    ``vllm/v1/attention/backends/mla/flashmla_sparse.py``) for the FP8 ``fp8_ds_mla`` cache: all the step's MQA
+    tokens (decode and prefill alike) read the cache in place through
+    ``zerodiff.ops.flashmla_fp8_decode.flashmla_fp8_attention`` (FlashMLA's FP8 decode kernel under zerodiff's
+    batch-independent schedule). The request-local top-k indices become global 64-token-page slots with vLLM's own
+    converter (``convert_fn`` = ``triton_convert_req_index_to_global_index``, integer arithmetic) over the page
+    view ``kv_pages_fn`` (= ``_fp8_kv_pages``) gives; q is zero-padded to 64 / 128 heads as vLLM's FP8 kernel
+    path does. Returns ``(out [T, H, 512], None)`` (the lse only serves decode context parallelism, which
+    consistency mode refuses). Refused: more than 128 heads, DCP. CPU-tested against an emulation of the kernel;
+    not yet run inside vLLM on a GPU."""
+    from ..ops import flashmla_fp8_decode as fd
+
+    if int(getattr(impl, "dcp_world_size", 1)) > 1:
+        raise ConfigError("zerodiff DSV3.2 sparse MLA: decode context parallelism is not supported")
+    T = int(topk_indices.shape[0])
+    qq = q[:T]
+    H = int(qq.shape[1])
+    if H > 128:
+        raise ConfigError(f"zerodiff DSV3.2 sparse MLA: {H} heads (FlashMLA's FP8 kernel takes up to 128)")
+    Hp = 64 if H <= 64 else 128
+    if H < Hp:
+        qp = qq.new_zeros((T, Hp, qq.shape[2]))
+        qp[:, :H] = qq
+    else:
+        qp = qq if qq.is_contiguous() else qq.contiguous()
+    bs = int(attn_metadata.block_size)
+    kv_pages, stride_rows = kv_pages_fn(kv_cache, bs)
+    idx = convert_fn(attn_metadata.req_id_per_token[:T], attn_metadata.block_table, topk_indices, BLOCK_SIZE=bs,
+                     BLOCK_STRIDE_ROWS=stride_rows, NUM_TOPK_TOKENS=int(topk_indices.shape[1]))
+    if isinstance(idx, tuple):
+        idx = idx[0]
+    out, _lse = fd.flashmla_fp8_attention(qp, kv_pages.view(torch.uint8), idx.to(torch.int32),
+                                          float(impl.softmax_scale))
+    return (out if H == Hp else out[:, :H]), None
