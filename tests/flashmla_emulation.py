@@ -6,6 +6,7 @@ import math
 import torch
 
 from zerodiff.ops import flashmla_fp8_decode as fd
+from zerodiff.ops import kv_cache as kvc
 
 
 class EmulatedDecodeKernel:
@@ -104,3 +105,22 @@ def v4_cache(nb, bs, seed):
     deq = torch.cat([(nope.double().view(n, 7, 64) * torch.pow(2.0, (e - 127).double())[..., None]).view(n, 448),
                      rope.double()], 1)
     return raw.view(nb, bs, 1, 584), deq
+
+
+def request_cache(g, lens, bs=8):
+    """A paged V3.2-layout FP8 cache holding requests of the given lengths: (cache, block_table)."""
+    nb = sum(-(-L // bs) for L in lens) + 3
+    perm = torch.randperm(nb, generator=g).to(torch.int32)
+    mb = max(-(-L // bs) for L in lens)
+    bt = torch.full((len(lens), mb), -1, dtype=torch.int32)
+    used, slots = 0, []
+    for b, L in enumerate(lens):
+        n = -(-L // bs)
+        bt[b, :n] = perm[used:used + n]
+        used += n
+        slots += [int(bt[b, p // bs]) * bs + p % bs for p in range(L)]
+    x = (torch.randn(len(slots), 512, generator=g) * 2).to(torch.bfloat16)
+    rope = torch.randn(len(slots), 64, generator=g).to(torch.bfloat16)
+    cache = kvc.new_kv_cache(nb, bs)
+    kvc.write_kv_cache(x, rope, cache, torch.tensor(slots, dtype=torch.int64), backend="reference")
+    return cache, bt

@@ -18,7 +18,7 @@ from zerodiff.ops import kv_cache as kc
 from zerodiff.ops import sparse_attention as sa
 from zerodiff.reference.sparse_attention import sparse_attention_ref
 
-from flashmla_emulation import dequant_v4, install_emulation, v4_cache
+from flashmla_emulation import dequant_v4, install_emulation, request_cache, v4_cache
 
 
 def _row_pieces(meta, splits, rows, blocks):
@@ -295,7 +295,7 @@ def test_wrapper_plumbing_against_an_emulated_kernel(seeded, monkeypatch, S):
     kern = install_emulation(monkeypatch)
     g = seeded()
     lens = (300, 200, 260, 150)
-    cache, bt = _cpu_request_cache(g, lens)
+    cache, bt = request_cache(g, lens)
     Q, H, K = 21, 64, 256
     req = torch.tensor([i % 4 for i in range(Q)], dtype=torch.int32)
     pos = torch.full((Q, K), -1, dtype=torch.int32)
@@ -328,24 +328,6 @@ def test_wrapper_plumbing_against_an_emulated_kernel(seeded, monkeypatch, S):
                 bool(((pos[r] >= 0) & (pos[r].long() // 8 == int(pos[5, 0]) // 8)).any())}
     for r in range(Q):
         assert bool(torch.isnan(o2[r].float()).all()) == (r in bad_rows), r
-
-
-def _cpu_request_cache(g, lens, bs=8):
-    nb = sum(-(-L // bs) for L in lens) + 3
-    perm = torch.randperm(nb, generator=g).to(torch.int32)
-    mb = max(-(-L // bs) for L in lens)
-    bt = torch.full((len(lens), mb), -1, dtype=torch.int32)
-    used, slots = 0, []
-    for b, L in enumerate(lens):
-        n = -(-L // bs)
-        bt[b, :n] = perm[used:used + n]
-        used += n
-        slots += [int(bt[b, p // bs]) * bs + p % bs for p in range(L)]
-    x = (torch.randn(len(slots), 512, generator=g) * 2).to(torch.bfloat16)
-    rope = torch.randn(len(slots), 64, generator=g).to(torch.bfloat16)
-    cache = kc.new_kv_cache(nb, bs)
-    kc.write_kv_cache(x, rope, cache, torch.tensor(slots, dtype=torch.int64), backend="reference")
-    return cache, bt
 
 
 def test_global_entry_lengths_and_extra_cache_against_an_emulated_kernel(seeded, monkeypatch):

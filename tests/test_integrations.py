@@ -1538,7 +1538,7 @@ def test_gpu_megatron_moe_layer_triton_victim_and_value():
 
 
 # ---- DeepSeek-V4 attention through the fixed-schedule FlashMLA kernel (phase-agnostic adapter) ----------------
-from flashmla_emulation import dequant_v4, install_emulation, v4_cache  # noqa: E402
+from flashmla_emulation import dequant_v4, install_emulation, request_cache, v4_cache  # noqa: E402
 
 
 def _dsv4_case(g, compress_ratio, window=128, top_k=64, bs=8):
@@ -1752,19 +1752,8 @@ def test_dsv32_sparse_fp8_adapter_reference_heads_and_batch_invariance(seeded, m
     install_emulation(monkeypatch)
     g = seeded()
     lens, bs = (300, 130, 77), 64
-    nb = sum(-(-L // bs) for L in lens) + 2
-    perm = torch.randperm(nb, generator=g).int()
-    bt = torch.full((3, -(-max(lens) // bs)), 0, dtype=torch.int32)
-    used, slots = 0, []
-    for b, L in enumerate(lens):
-        n = -(-L // bs)
-        bt[b, :n] = perm[used:used + n]
-        used += n
-        slots += [int(bt[b, p // bs]) * bs + p % bs for p in range(L)]
-    cache = kvc.new_kv_cache(nb, bs)
-    kvc.write_kv_cache((torch.randn(len(slots), 512, generator=g) * 2).bfloat16(),
-                       torch.randn(len(slots), 64, generator=g).bfloat16(), cache,
-                       torch.tensor(slots, dtype=torch.int64), backend="reference")
+    cache, bt = request_cache(g, lens, bs)
+    nb = cache.shape[0]
     T, K = 9, 128
     req = torch.tensor([0, 1, 2, 0, 0, 1, 2, 2, 0], dtype=torch.int32)
     topk = torch.full((T, K), -1, dtype=torch.int32)
