@@ -1538,7 +1538,7 @@ def test_gpu_megatron_moe_layer_triton_victim_and_value():
 
 
 # ---- DeepSeek-V4 attention through the fixed-schedule FlashMLA kernel (phase-agnostic adapter) ----------------
-from flashmla_emulation import dequant_v4, install_emulation, request_cache, v4_cache  # noqa: E402
+from flashmla_emulation import install_emulation, request_cache, v4_cache  # noqa: E402
 
 
 def _dsv4_case(g, compress_ratio, window=128, top_k=64, bs=8):
