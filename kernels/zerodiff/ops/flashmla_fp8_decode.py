@@ -29,12 +29,15 @@ Public API:
   int32 [B, max_blocks], ``req_ids`` int32 [Q], ``positions`` int32 [Q, K] request-local (-1 = empty), K fixed by
   the model (max top-k), never by the batch. Returns ``out`` bf16 [Q, H, 512] and ``lse`` fp32 [Q, H] (natural
   log; +inf and out 0 for a row without any valid position).
-* ``flashmla_fp8_attention(q, kv_cache, indices, sm_scale, *, attn_sink=None, pieces_per_row=None, out=None)
-  -> (out, lse)``: the same call on caller-given GLOBAL token indices (block id * block size + offset, -1 = skip),
-  for the V3.2 layout (d_qk 576, 656 bytes) and the DeepSeek-V4 layout (d_qk 512, 584 bytes per token:
-  ``LAYOUT_BYTES``); indices outside the cache are not read and make their row NaN. No host synchronisation.
-* ``fixed_schedule(rows, num_sm_parts, blocks_per_row, device) -> (metadata, num_splits)``: the schedule table
-  (int32 [num_sm_parts, 8]) and cumulative split counts (int32 [rows + 1]).
+* ``flashmla_fp8_attention(q, kv_cache, indices, sm_scale, *, attn_sink=None, pieces_per_row=None, out=None,
+  topk_length=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None) -> (out, lse)``: the same
+  call on caller-given GLOBAL token indices (block id * block size + offset, -1 = skip), for the V3.2 layout
+  (d_qk 576, 656 bytes) and the DeepSeek-V4 layout (d_qk 512, 584 bytes per token: ``LAYOUT_BYTES``); indices
+  outside the cache are not read and make their row NaN (``sanitize_indices``). No host synchronisation.
+  DeepSeek-V4's per-row lengths and SWA extra cache: one piece per row (not yet run on a GPU).
+* ``fixed_schedule(rows, num_sm_parts, blocks_per_row, device, row_blocks=None) -> (metadata, num_splits)``: the
+  schedule table (int32 [num_sm_parts, 8]) and cumulative split counts (int32 [rows + 1]); ``row_block_counts``
+  gives ``row_blocks`` (the kernel's own per-row block count) when rows have their own lengths.
 * ``schedule_pieces(metadata, num_splits, rows, blocks_per_row) -> list``: how the kernel consumes a table (the
   pieces each row is reduced in and where each partial goes); the CPU tests check the schedule with it.
 * ``translate_positions(block_table, req_ids, positions, num_blocks, block_size) -> (indices, bad_rows)``: the
