@@ -139,5 +139,10 @@ def test_doctor_reports_the_triton_cache_and_kernel_configuration(tmp_path, monk
                                          "attention_pieces": fd.PIECES_PER_ROW}
     text = doctor.render(r)
     assert f"mHC {mhc.DEFAULT_VARIANT}" in text and f"DSA Top-K {topk.VARIANT}" in text
+    import torch
+
+    if not torch.cuda.is_available():  # the read path says why it cannot run on a CPU machine
+        assert r["flashmla_fp8"]["usable"] is False and "no CUDA device" in r["flashmla_fp8"]["detail"]
+        assert "flashmla_fp8 usable here: no" in text
     if r["triton"]["available"]:
         assert "2 compiled kernel(s)" in text

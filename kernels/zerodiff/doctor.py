@@ -112,6 +112,22 @@ def _kernel_configuration() -> dict:
             "attention_pieces": fd.PIECES_PER_ROW}
 
 
+def _flashmla_fp8_info() -> dict:
+    """Whether the default sparse MLA read path (FlashMLA's FP8 decode kernel under zerodiff's schedule) can run
+    here, and why not."""
+    try:
+        import torch
+
+        from .ops import flashmla_fp8_decode as fd
+
+        if not torch.cuda.is_available():
+            return {"usable": False, "detail": "no CUDA device (the workspace / reference paths run instead)"}
+        fd._flashmla()
+        return {"usable": True, "detail": "FlashMLA's sparse_decode_fwd importable"}
+    except Exception as e:  # report, never fail the doctor
+        return {"usable": False, "detail": f"{type(e).__name__}: {e}"[:200]}
+
+
 def collect() -> dict:
     from . import __version__, backends
 
@@ -131,6 +147,7 @@ def collect() -> dict:
         "deepgemm_jit_cache": _deepgemm_cache_info(),
         "triton_cache": _triton_cache_info(),
         "kernel_configuration": _kernel_configuration(),
+        "flashmla_fp8": _flashmla_fp8_info(),
         "consistency_mode": {"can_run": answer, "reason": why},
     }
 
@@ -178,6 +195,9 @@ def render(r: dict) -> str:
     if kc is not None:
         lines.append(f"kernels     mHC {kc['mhc']} (head {kc['mhc_head']}), DSA Top-K {kc['topk']}, sparse MLA read "
                      f"{kc['attention_read']} ({kc['attention_pieces']} pieces per row)")
+    ff = r.get("flashmla_fp8")
+    if ff is not None:
+        lines.append(f"flashmla_fp8 usable here: {'yes' if ff['usable'] else 'no'} ({ff['detail']})")
     p = r["pins"]
     lines.append(f"pins        {p['path']}")
     if "error" in p:
