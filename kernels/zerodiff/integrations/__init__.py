@@ -7,10 +7,13 @@ validation, layout conversion, autograd wrappers) lives in :mod:`zerodiff.integr
 
 The switch
 ----------
-Consistency mode is ON exactly when the environment variable ``ZERODIFF_CONSISTENT`` is ``"1"``
-(:func:`enabled`). Any other value, or no value, is OFF. ``"0"``/unset is off; values other than
-``"0"`` and ``"1"`` are refused (:class:`ConfigError`) so a typo such as ``true`` never silently leaves
-the stock path running.
+Consistency mode is ON exactly when the environment variable ``ZERODIFF_CONSISTENT`` is the string
+``"1"`` (:func:`enabled`); unset, ``""`` or ``"0"`` is OFF; every other value (``true``, ``" 0"``,
+``"1 "``, ...) is refused with a :class:`ConfigError` at engine start, so a typo never leaves a mix of
+patched and stock call sites running. There is one parser, an exact string comparison, written the same
+way in every patched call site (``os.environ.get("ZERODIFF_CONSISTENT") == "1"``); the config guards run
+whenever the value is set to anything but ``""``/``"0"`` and refuse what is not ``"1"``
+(``tests/test_integrations.py`` checks every patch for exactly these two forms).
 
 ``VLLM_BATCH_INVARIANT`` neither implies nor is required by consistency mode. Reasons: (a) it changes the
 stock path, which is the frozen throughput baseline, so coupling the two would move the baseline;
@@ -41,9 +44,9 @@ def enabled(environ=None) -> bool:
     """True when consistency mode is on (``ZERODIFF_CONSISTENT=1``); refuses values other than 0/1/unset."""
     env = os.environ if environ is None else environ
     v = env.get(ENV)
-    if v is None or v.strip() in ("", "0"):
+    if v is None or v in ("", "0"):
         return False
-    if v.strip() == "1":
+    if v == "1":
         return True
     raise ConfigError(f"{ENV}={v!r}: expected '1' (consistency mode on) or '0'/unset (off)")
 
