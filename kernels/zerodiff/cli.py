@@ -3,6 +3,8 @@
     zerodiff --version        print the package version
     zerodiff doctor [--json]  what this machine can run (torch, Triton, CUDA, backends, pins, verdict)
 
+    zerodiff vllm-check       engine-level acceptance inside real (patched) vLLM (zerodiff.vllm_check)
+
 End-to-end subcommands (``check``, ``bench``) come from ``zerodiff.e2e_cli`` when that module exists: it
 exposes ``register(subparsers)`` and each subparser it adds sets ``func`` (called with the parsed args,
 returning an exit code).
@@ -44,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
             raise
     else:
         e2e_cli.register(sub)
+    from .vllm_check import register as _register_vllm_check
+
+    _register_vllm_check(sub)
     return ap
 
 
