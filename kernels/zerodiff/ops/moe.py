@@ -4,6 +4,8 @@ Public API::
 
     route(logits, k, *, scoring="softmax", bias=None, renormalize=True, routed_scale=1.0, backend=None)
         -> (weights fp32 [T, k], ids int32 [T, k])
+    route_hashed(logits, ids, *, scoring="sqrtsoftplus", renormalize=True, routed_scale=1.0, backend=None)
+        -> weights fp32 [T, k]   (experts given by a table, e.g. DeepSeek-V4's hash-routed layers)
     routing_scores(logits, scoring="softmax", *, backend=None) -> fp32 [T, E]   (the scoring step alone)
     MoEWeights(w13: Fp8Weight [E, 2I, H], w2: Fp8Weight [E, H, I])      (list of per-expert Fp8Weight accepted)
     MoEWeights.from_master(w13_bf16 [E, 2I, H], w2_bf16 [E, H, I], *, ue8m0=False, backend=None)
@@ -192,16 +194,33 @@ def route(logits: torch.Tensor, k: int, *, scoring: str = "softmax", bias=None, 
         sel = scores + bias[None, :]
     tk_backend = "reference" if backend == "reference" else backend
     ids = deterministic_topk(sel, k, backend=tk_backend)
+    return _slot_weights(scores, ids, renormalize, routed_scale), ids.to(torch.int32).contiguous()
+
+
+def _slot_weights(scores, ids, renormalize, routed_scale):
+    """``scores[t, ids[t, j]]`` (0 for ids == -1), renormalised by the slot-order sum, times routed_scale."""
     w = scores.gather(1, ids.long().clamp(min=0))
     w = torch.where(ids >= 0, w, torch.zeros((), dtype=w.dtype, device=w.device))
     if renormalize:
         denom = w[:, 0]
-        for j in range(1, k):
+        for j in range(1, ids.shape[1]):
             denom = denom + w[:, j]
         w = w / denom[:, None]
     if routed_scale != 1.0:
         w = w * float(routed_scale)  # fp32 multiply by fp32(routed_scale); no host->device copy (graph-safe)
-    return w.contiguous(), ids.to(torch.int32).contiguous()
+    return w.contiguous()
+
+
+def route_hashed(logits: torch.Tensor, ids: torch.Tensor, *, scoring: str = "sqrtsoftplus", renormalize: bool = True,
+                 routed_scale: float = 1.0, backend=None) -> torch.Tensor:
+    """Weights for experts chosen by a table (DeepSeek-V4 hash-routed layers: ``ids = tid2eid[token_id]``):
+    fp32 [T, k] with ``route``'s weighting rule on the given ``ids`` [T, k] (slot order = the table's order):
+    ``scores[t, ids[t, j]]``, renormalised by ``((w0 + w1) + w2) + ...`` when ``renormalize``, then times
+    fp32 ``routed_scale``. No bias (the table replaces the selection)."""
+    scores = routing_scores(logits, scoring, backend=backend)
+    if ids.dim() != 2 or ids.shape[0] != scores.shape[0]:
+        raise ValueError(f"zerodiff.moe.route_hashed: ids must be [T={scores.shape[0]}, k], got {tuple(ids.shape)}")
+    return _slot_weights(scores, ids, renormalize, routed_scale)
 
 
 # ------------------------------------------------------------------------------------------------ weights

@@ -8,44 +8,7 @@ patches import (``zerodiff.integrations.vllm``).
 Every function here is called only when consistency mode is on (``ZERODIFF_CONSISTENT=1``, see
 :mod:`zerodiff.integrations`); the patched call sites keep the upstream code untouched otherwise.
 
-Config guard
-------------
-``validate_config(**plain_values)`` refuses, with one message naming every bad setting, each configuration
-that cannot keep rollout/training log-probs bit-identical (``diff = 0``); ``check_vllm_config(vllm_config)``
-reads those values off a ``VllmConfig`` (duck-typed, so CPU tests use fake objects) and is what the patched
-``VllmConfig.__post_init__`` calls. Rules and why:
-
-* ``tensor_parallel_size > 1``: TP puts an all-reduce (cross-GPU sum) inside the compared path (DESIGN
-  "cross-GPU"; seed 4.5). Refused.
-* ``decode_context_parallel_size > 1`` / ``prefill_context_parallel_size > 1``: decode CP merges partial
-  attention and top-k results across GPUs; not supported (seed 4.5). Refused.
-* expert parallel with an ``all2all_backend`` other than ``deepep_low_latency``: the combine must happen on
-  the token's owner in FP32 in top-k slot order (DESIGN "MoE routed experts"); ``allgather_reducescatter``
-  sums expert outputs across GPUs. Refused.
-* ``enable_prefix_caching``: a cached prefix is never recomputed, so the rollout's values would come from an
-  earlier batch's prefill, and the check itself is defined with caching off (reference fork, class 5).
-* speculative decoding (any ``speculative_config``): the draft/verify split changes which path computes a
-  token and uses ``next_n > 1`` rows. Refused.
-* ``cudagraph_mode == PIECEWISE``: refused. ``NONE``, ``FULL``, ``FULL_DECODE_ONLY`` and
-  ``FULL_AND_PIECEWISE`` are accepted. Reasoning (DESIGN "CUDA graphs", seed 4.6): whether a step runs in a
-  graph or eagerly depends on the other requests of the step, so graph and eager must be bit-identical;
-  our kernels make that so (no host sync, static bounds, workspaces sized by model limits). The seed ran
-  FULL_AND_PIECEWISE with diff 0 over 100 steps (and it is the fastest mode there). PIECEWISE-only leaves
-  attention and the indexer outside the graph for *decode* steps as well, which is the mode in which the
-  public reference fork measured a mixed-step leak (29 of 75 soak rounds flipped, not shape-invariant);
-  it is also the slowest mode (10.4k vs 16.4k tok/s in seed 4.6), so nothing is lost by refusing it.
-  FULL_AND_PIECEWISE stays a measured risk: the soak test must cover it (see docs/patch-catalog.md).
-* DeepSeek-V4: ``kv_cache_dtype`` must be explicitly FP8 (``fp8``, ``fp8_e4m3`` or ``fp8_ds_mla``): the
-  consistent read path (DESIGN "FP8 KV cache") and the training side's private cache are defined on the
-  ``fp8_ds_mla`` layout; ``auto`` resolves per attention backend (BF16 on some), so it is refused too.
-* DSA indexer cache: ``indexer_kv_dtype`` ``mxfp4`` (the FP4 indexer cache) refused: the reference fork
-  measured a leak with it and no zerodiff kernel reads it. ``auto``/``fp8``/``fp8_e4m3`` accepted.
-* MoE models: ``moe_backend`` must be ``deep_gemm`` (the only expert path whose activation quant the
-  series routes through ``zerodiff.ops.silu_mul_quant``); ``auto`` may pick Triton/FlashInfer/Cutlass
-  experts by shape, so it is refused as well.
-* ``quantization`` other than none / ``fp8`` (block FP8): refused (e.g. ``mxfp4`` experts).
-* block-FP8 models (``quantization`` ``fp8``): ``linear_backend`` must be ``deep_gemm`` (the FlashInfer
-  ``M < 32`` swap-AB branch is a batch-size fork, seed 4.1); ``auto`` picks FlashInfer first on CUDA.
+The config guard's rules and their reasons are in :mod:`zerodiff.integrations.vllm.guard`.
 
 Adapters (upstream tensors/layouts -> zerodiff ops)
 ---------------------------------------------------
@@ -89,7 +52,8 @@ Adapters (upstream tensors/layouts -> zerodiff ops)
   FP8-cache (``fp8_ds_mla``) body of ``FlashMLASparseImpl.forward_mqa`` (DeepSeek-V3.2-style sparse MLA): every
   token, prefill and decode, through FlashMLA's FP8 decode kernel under zerodiff's fixed schedule on the global
   slots vLLM's own converter gives (``flashmla_fp8_attention``), instead of the batch-shaped stock schedule.
-* ``dsv4_read_route(environ=None)`` -> "prefill_path" (default: decode through the prefill read path, above) or
+* ``dsv4_read_route(environ=None)`` -> "fixed_schedule" (default, below) or "prefill_path" (decode through the
+  prefill read path, above); the rest of this entry describes the two:
   "fixed_schedule" (``ZERODIFF_DSV4_READ=fixed_schedule``: every token through the function below);
   ``dsv4_forward_fixed_schedule(layer, q, positions, output, swa_metadata, attn_metadata)``: the body of
   ``DeepseekV4FlashMLAAttention.forward_mqa`` in that route (all tokens of the step, decode and prefill, one call).
@@ -108,15 +72,21 @@ from __future__ import annotations
 
 from .guard import ALLOWED_CUDAGRAPH_MODES, validate_config, config_values, check_vllm_config  # noqa: F401
 from .indexer import indexer_topk_decode, indexer_topk_prefill, short_context_uses_fill, fill_short_context_topk  # noqa: F401
-from .moe import mn_major_scales, pack_ue8m0_scales, moe_act_quant_contiguous, mn_major_int, moe_act_quant_masked, expert_routing  # noqa: F401
-from .layers import router_logits, rms_norm, fp8_block_linear, silu_mul  # noqa: F401
+from .moe import dsv4_moe_forward, dsv4_moe_weights, mn_major_scales, pack_ue8m0_scales, moe_act_quant_contiguous, mn_major_int, moe_act_quant_masked, expert_routing  # noqa: F401
+from .layers import bf16_linear, lm_head_logits, fp8_grouped_linear, router_logits, rms_norm, fp8_block_linear, silu_mul  # noqa: F401
 from .mhc import mhc_pre, mhc_pre_broadcast, mhc_post, mhc_fused_post_pre, hc_head  # noqa: F401
-from .sampler import keep_raw_logits, sampled_token_logprobs, fix_sampled_logprobs  # noqa: F401
+from .sampler import token_logprobs_columns, keep_raw_logits, sampled_token_logprobs, fix_sampled_logprobs  # noqa: F401
 from .dsv4_attention import DSV4_FP8_DIM, DSV4_ROPE_DIM, DSV4_TOKEN_BYTES, DSV4_SCALE_BYTES, DSV4_QBLOCK, DSV4_HEAD_DIM, DSV4_TOPK_ALIGN, dsv4_workspace_width, dsv4_dequant_rows, dsv4_decode_entries, dsv4_decode_workspace, dsv4_decode_attention, dsv4_fixed_schedule_attention, DSV4_READ_ENV, DSV4_READ_ROUTES, dsv4_read_route, dsv4_forward_fixed_schedule  # noqa: F401
 from .dsv32_attention import dsv32_sparse_fp8_attention  # noqa: F401
 from .custom_ops import _ops  # noqa: F401  (tests build the op registry directly)
 
 __all__ = [
+    "token_logprobs_columns",
+    "fp8_grouped_linear",
+    "lm_head_logits",
+    "bf16_linear",
+    "dsv4_moe_weights",
+    "dsv4_moe_forward",
     "ALLOWED_CUDAGRAPH_MODES",
     "validate_config",
     "config_values",

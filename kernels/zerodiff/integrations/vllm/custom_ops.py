@@ -51,6 +51,16 @@ def _ops() -> dict:
     def _(x, residual, w, eps):
         return torch.empty_like(x), torch.empty_like(x)
 
+    @custom_op(f"{_LIB}::bf16_linear", mutates_args=())
+    def _bf16_linear(x: torch.Tensor, w: torch.Tensor, fp32_out: bool) -> torch.Tensor:
+        from ...ops.bf16_gemm import bf16_gemm
+
+        return bf16_gemm(x, w, out_dtype=torch.float32 if fp32_out else torch.bfloat16)
+
+    @_bf16_linear.register_fake
+    def _(x, w, fp32_out):
+        return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32 if fp32_out else torch.bfloat16)
+
     @custom_op(f"{_LIB}::fp8_block_linear", mutates_args=())
     def _fp8_block_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ue8m0: bool) -> torch.Tensor:
         from ...ops.fp8_gemm import fp8_linear as zd_fp8_linear

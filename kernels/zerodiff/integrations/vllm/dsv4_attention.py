@@ -313,12 +313,14 @@ DSV4_READ_ROUTES = ("prefill_path", "fixed_schedule")
 
 
 def dsv4_read_route(environ=None) -> str:
-    """The DeepSeek-V4 attention read route in consistency mode: ``ZERODIFF_DSV4_READ`` = "prefill_path"
-    (default; decode tokens through the prefill path's workspace + ``flash_mla_sparse_fwd``) or "fixed_schedule"
-    (every token, prefill and decode, through :func:`dsv4_forward_fixed_schedule`; faster, its GPU run inside vLLM
-    is pending). Anything else is refused with a message naming the variable."""
+    """The DeepSeek-V4 attention read route in consistency mode: ``ZERODIFF_DSV4_READ`` = "fixed_schedule"
+    (default, and zerodiff's own default read path ``flashmla_fp8``, the one the training side runs: every token,
+    prefill and decode, through :func:`dsv4_forward_fixed_schedule`) or "prefill_path" (decode tokens through the
+    prefill path's BF16 workspace + ``flash_mla_sparse_fwd``, prefill tokens stock; the training side must then
+    read the same way). The value is compared exactly; anything else is refused with a message naming the
+    variable."""
     env = os.environ if environ is None else environ
-    v = env.get(DSV4_READ_ENV, "prefill_path").strip() or "prefill_path"
+    v = env.get(DSV4_READ_ENV) or "fixed_schedule"
     if v not in DSV4_READ_ROUTES:
         raise ConfigError(f"zerodiff: {DSV4_READ_ENV}={v!r} is not one of {list(DSV4_READ_ROUTES)}")
     return v
@@ -336,7 +338,7 @@ def dsv4_forward_fixed_schedule(layer: Any, q: torch.Tensor, positions: torch.Te
     if getattr(swa_metadata, "prefill_left_visible", None) is not None or \
             getattr(swa_metadata, "prefill_right_visible", None) is not None:
         raise ConfigError("zerodiff DSV4 fixed_schedule route: in-image (bidirectional) windows are not supported; "
-                          f"unset {DSV4_READ_ENV} (the prefill_path route) for multimodal inputs")
+                          f"set {DSV4_READ_ENV}=prefill_path on both sides for multimodal inputs")
     T = q.shape[0]
     dev = q.device
     num_reqs = int(swa_metadata.num_decodes) + int(swa_metadata.num_prefills)

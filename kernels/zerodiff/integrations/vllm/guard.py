@@ -1,14 +1,76 @@
-"""The fail-closed config guard for vLLM 0.33.0 (what the patched ``VllmConfig.__post_init__`` calls)."""
+"""The fail-closed config guard for vLLM 0.33.0 (what the patched ``VllmConfig.__post_init__`` calls).
+
+Config guard
+------------
+``validate_config(**plain_values)`` refuses, with one message naming every bad setting, each configuration
+that cannot keep rollout/training log-probs bit-identical (``diff = 0``); ``check_vllm_config(vllm_config)``
+reads those values off a ``VllmConfig`` (duck-typed, so CPU tests use fake objects) and is what the patched
+``VllmConfig.__post_init__`` calls. Rules and why:
+
+* ``tensor_parallel_size > 1``: TP puts an all-reduce (cross-GPU sum) inside the compared path Refused.
+* ``decode_context_parallel_size > 1`` / ``prefill_context_parallel_size > 1``: decode CP merges partial
+  attention and top-k results across GPUs; not supported. Refused.
+* expert parallel with an ``all2all_backend`` other than ``deepep_low_latency``: the combine must happen on
+  the token's owner in FP32 in top-k slot order; ``allgather_reducescatter``
+  sums expert outputs across GPUs. Refused.
+* ``enable_prefix_caching``: a cached prefix is never recomputed, so the rollout's values would come from an
+  earlier batch's prefill, and the check itself is defined with caching off.
+* speculative decoding (any ``speculative_config``): the draft/verify split changes which path computes a
+  token and uses ``next_n > 1`` rows. Refused.
+* ``cudagraph_mode == PIECEWISE``: refused. ``NONE``, ``FULL``, ``FULL_DECODE_ONLY`` and
+  ``FULL_AND_PIECEWISE`` are accepted. Reasoning: whether a step runs in a
+  graph or eagerly depends on the other requests of the step, so graph and eager must be bit-identical;
+  our kernels make that so (no host sync, static bounds, workspaces sized by model limits). PIECEWISE-only
+  leaves attention and the indexer outside the graph for *decode* steps as well, the mode in which a mixed-step
+  leak has been measured elsewhere; it is also the slowest mode. FULL_AND_PIECEWISE is covered by the
+  engine-level acceptance (``zerodiff vllm-check``).
+* DeepSeek-V4: ``kv_cache_dtype`` must be explicitly FP8 (``fp8``, ``fp8_e4m3`` or ``fp8_ds_mla``): the
+  consistent read path and the training side's private cache are defined on the
+  ``fp8_ds_mla`` layout; ``auto`` resolves per attention backend (BF16 on some), so it is refused too.
+* DSA indexer cache: ``indexer_kv_dtype`` ``mxfp4`` (the FP4 indexer cache) refused: no zerodiff kernel reads it. ``auto``/``fp8``/``fp8_e4m3`` accepted.
+* DeepSeek-V4 MoE: ``moe_backend`` ``triton`` or ``deep_gemm`` (the whole MoE block runs through
+  ``zerodiff.ops.moe`` on vLLM's expert weights, which these backends keep in the checkpoint's block-FP8
+  layout; ``auto`` may pick a FlashInfer / Cutlass backend that shuffles them). Other MoE models:
+  ``deep_gemm`` (only their experts' activation quant is routed).
+* MoE models with ``data_parallel_size > 1`` and no expert parallelism: vLLM shards the experts
+  tensor-parallel over the DP ranks and all-reduces their outputs. Refused.
+* ``quantization`` other than none / ``fp8`` / ``deepseek_v4_fp8`` (block FP8): refused (e.g. ``mxfp4``).
+* block-FP8 models: ``linear_backend`` must be ``deep_gemm`` (the FlashInfer ``M < 32`` swap-AB branch is a
+  batch-size fork); ``auto`` picks FlashInfer first on CUDA.
+* DeepSeek-V4 attention backend: unset (vLLM's choice on SM90) or the FlashMLA sparse backend; the FlashInfer
+  DeepSeek-V4 backends would run unpatched. Refused.
+* ``VLLM_USE_FLASHINFER_SAMPLER`` must be ``0``: otherwise vLLM uses FlashInfer's sampler for a step whenever
+  every request in it qualifies, so a request's draw depends on the others.
+
+When the configuration passes, :func:`check_vllm_config` logs one line with every resolved value, the
+DeepSeek-V4 read route and the FP8 GEMM backend.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
-from .. import _problems_to_error, enabled
+from .. import ENV, _problems_to_error, enabled
 from .dsv4_attention import dsv4_read_route
 
+_log = logging.getLogger("zerodiff")
+if not _log.handlers:  # vLLM configures its own loggers only: make the resolved configuration visible
+    _h = logging.StreamHandler()
+    _h.setFormatter(logging.Formatter("%(levelname)s zerodiff: %(message)s"))
+    _log.addHandler(_h)
+    _log.setLevel(logging.INFO)
+
 ALLOWED_CUDAGRAPH_MODES = ("NONE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
-_DSV4_ARCHS = ("DeepseekV4ForCausalLM", "DeepSeekV4MTPModel", "DeepseekV41ForCausalLM")
+_DSV4_ARCHS = ("DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration", "DeepSeekV4MTPModel",
+               "DeepseekV41ForCausalLM")
+#: block-FP8 quantisation methods (vLLM resolves ``quant_method: fp8`` of DeepSeek-V4 to ``deepseek_v4_fp8``)
+_BLOCK_FP8_QUANT = ("fp8", "deepseek_v4_fp8")
+#: DeepSeek-V4 attention backends the series routes (None: vLLM's choice on SM90, the FlashMLA sparse class)
+_DSV4_ATTENTION_OK = (None, "FLASHMLA_SPARSE", "FLASHMLA_SPARSE_DSV4")
+#: MoE backends whose expert weights keep the checkpoint layout the zerodiff MoE route reads
+_DSV4_MOE_OK = ("triton", "deep_gemm")
 _FP8_KV = ("fp8", "fp8_e4m3", "fp8_ds_mla")
 _INDEXER_KV_OK = ("auto", "fp8", "fp8_e4m3")
 
@@ -32,6 +94,9 @@ def validate_config(
     indexer_kv_dtype: str = "auto",
     moe_backend: str = "auto",
     linear_backend: str = "auto",
+    data_parallel_size: int = 1,
+    attention_backend: str | None = None,
+    flashinfer_sampler: str | None = "0",
 ) -> None:
     """Raise :class:`ConfigError` naming every setting that breaks diff = 0; return None when all is fine.
 
@@ -69,15 +134,29 @@ def validate_config(
     if str(indexer_kv_dtype) not in _INDEXER_KV_OK:
         p.append(f"indexer_kv_dtype={indexer_kv_dtype!r}: the FP4 (mxfp4) / non-FP8 indexer cache is not "
                  "supported; use indexer_kv_dtype='fp8' (or 'auto' on CUDA)")
-    if is_moe and str(moe_backend) != "deep_gemm":
+    if is_dsv4 and is_moe and str(moe_backend) not in _DSV4_MOE_OK:
+        p.append(f"moe_backend={moe_backend!r}: DeepSeek-V4's MoE runs through zerodiff on vLLM's expert weights, "
+                 "which must keep the checkpoint's block-FP8 layout; pass --moe-backend triton")
+    elif is_moe and not is_dsv4 and str(moe_backend) != "deep_gemm":
         p.append(f"moe_backend={moe_backend!r}: only the DeepGEMM experts have their activation routed "
                  "through zerodiff; pass --moe-backend deep_gemm")
-    if quantization is not None and str(quantization).lower() not in ("fp8",):
-        p.append(f"quantization={quantization!r}: only BF16 and block-FP8 ('fp8', 128x128 weight blocks) "
-                 "checkpoints are supported in consistency mode (FP4 experts are not)")
-    if quantization is not None and str(quantization).lower() == "fp8" and str(linear_backend) != "deep_gemm":
+    if is_moe and int(data_parallel_size) > 1 and not enable_expert_parallel:
+        p.append(f"data_parallel_size={data_parallel_size} without enable_expert_parallel: vLLM then shards the "
+                 "experts tensor-parallel across the DP ranks and all-reduces their outputs; pass "
+                 "--enable-expert-parallel or data_parallel_size=1")
+    quant = None if quantization is None else str(quantization).lower()
+    if quant is not None and quant not in _BLOCK_FP8_QUANT:
+        p.append(f"quantization={quantization!r}: only BF16 and block-FP8 ({', '.join(_BLOCK_FP8_QUANT)}, "
+                 "128x128 weight blocks) checkpoints are supported in consistency mode (FP4 experts are not)")
+    if quant in _BLOCK_FP8_QUANT and str(linear_backend) != "deep_gemm":
         p.append(f"linear_backend={linear_backend!r}: block-FP8 linears must run one M-independent kernel "
                  "(no FlashInfer M<32 branch); pass --linear-backend deep_gemm")
+    if is_dsv4 and attention_backend not in _DSV4_ATTENTION_OK:
+        p.append(f"attention_backend={attention_backend!r}: only the FlashMLA sparse DeepSeek-V4 backend is routed "
+                 "through zerodiff's read path; pass --attention-backend FLASHMLA_SPARSE_DSV4 (or leave it unset)")
+    if flashinfer_sampler != "0":
+        p.append(f"VLLM_USE_FLASHINFER_SAMPLER={flashinfer_sampler!r}: vLLM picks FlashInfer's sampler per batch "
+                 "(its draw then depends on the other requests); set VLLM_USE_FLASHINFER_SAMPLER=0")
     _problems_to_error("vLLM", p)
 
 
@@ -89,7 +168,7 @@ def _get(obj: Any, path: str, default=None):
     return default if obj is None else obj
 
 
-def config_values(vllm_config: Any) -> dict:
+def config_values(vllm_config: Any, environ=None) -> dict:
     """The plain values :func:`validate_config` needs, read off a ``VllmConfig`` (or a look-alike)."""
     mode = _get(vllm_config, "compilation_config.cudagraph_mode")
     mode_name = None if mode is None else getattr(mode, "name", str(mode)).split(".")[-1]
@@ -114,7 +193,14 @@ def config_values(vllm_config: Any) -> dict:
         indexer_kv_dtype=str(_get(vllm_config, "attention_config.indexer_kv_dtype", "auto")),
         moe_backend=str(_get(vllm_config, "kernel_config.moe_backend", "auto")),
         linear_backend=str(_get(vllm_config, "kernel_config.linear_backend", "auto")),
+        data_parallel_size=int(_get(pc, "data_parallel_size", 1)),
+        attention_backend=_backend_name(_get(vllm_config, "attention_config.backend")),
+        flashinfer_sampler=(os.environ if environ is None else environ).get("VLLM_USE_FLASHINFER_SAMPLER"),
     )
+
+
+def _backend_name(b) -> str | None:
+    return None if b is None else str(getattr(b, "name", b)).split(".")[-1]
 
 
 def check_vllm_config(vllm_config: Any, environ=None) -> bool:
@@ -124,8 +210,12 @@ def check_vllm_config(vllm_config: Any, environ=None) -> bool:
         return False
     if getattr(_get(vllm_config, "model_config"), "is_submodel_config", False):
         return True  # a with_hf_config() view; its parent was validated
-    validate_config(**config_values(vllm_config))
-    dsv4_read_route(environ)  # a bad ZERODIFF_DSV4_READ fails at start, not at the first attention call
+    values = config_values(vllm_config, environ)
+    validate_config(**values)
+    route = dsv4_read_route(environ)  # a bad ZERODIFF_DSV4_READ fails at start, not at the first attention call
+    _log.info("zerodiff consistency mode ON (%s=1): DeepSeek-V4 read route %s, FP8 GEMM backend %s; %s", ENV, route,
+              (os.environ if environ is None else environ).get("ZERODIFF_FP8_GEMM_BACKEND", "auto"),
+              ", ".join(f"{k}={v}" for k, v in values.items()))
     return True
 
 

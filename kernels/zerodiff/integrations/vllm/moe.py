@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .. import ConfigError
@@ -135,3 +137,90 @@ def expert_routing(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
     return w, ids.to(indices_type or torch.int32)
 
 
+
+
+# ------------------------------------------------------------------------- DeepSeek-V4 MoE block (whole)
+def _expert_fp8(experts: Any, name: str, ue8m0: bool):
+    from ...ops.fp8_quant import Fp8Weight
+
+    w = getattr(experts, f"{name}_weight", None)
+    s = getattr(experts, f"{name}_weight_scale_inv", None)
+    if s is None:
+        s = getattr(experts, f"{name}_weight_scale", None)
+    if w is None or s is None or w.dtype != torch.float8_e4m3fn or w.dim() != 3:
+        raise ConfigError(f"zerodiff MoE: the routed experts' {name} weights must be block-FP8 e4m3 [E, N, K] "
+                          f"(expert_dtype 'fp8'); got {getattr(w, 'dtype', None)} "
+                          f"{tuple(getattr(w, 'shape', ()))} (FP4 / MXFP4 experts are not supported)")
+    E, N, K = w.shape
+    want = (E, (N + 127) // 128, (K + 127) // 128)
+    if s.dtype != torch.float32 or tuple(s.shape) != want:
+        raise ConfigError(f"zerodiff MoE: {name} scales must be fp32 128x128 blocks {want}, got {s.dtype} "
+                          f"{tuple(s.shape)}: this MoE backend re-laid the weights out (use moe_backend 'triton')")
+    return Fp8Weight(w, s, bool(ue8m0))
+
+
+def dsv4_moe_weights(experts: Any, ue8m0: bool):
+    """The routed experts of a vLLM ``FusedMoE`` as a ``zerodiff.ops.moe.MoEWeights`` *viewing* vLLM's own
+    parameters (no copy: a weight refit into those tensors is seen at once). Cached on the module."""
+    from ...ops.moe import MoEWeights
+
+    cached = getattr(experts, "_zerodiff_moe_weights", None)
+    if cached is not None and cached.w13.q is getattr(experts, "w13_weight") and cached.w13.ue8m0 == bool(ue8m0):
+        return cached
+    mw = MoEWeights(_expert_fp8(experts, "w13", ue8m0), _expert_fp8(experts, "w2", ue8m0))
+    try:
+        experts._zerodiff_moe_weights = mw
+    except (AttributeError, TypeError):
+        pass
+    return mw
+
+
+def dsv4_moe_forward(moe: Any, hidden_states: torch.Tensor, input_ids: torch.Tensor | None, *,
+                     ue8m0: bool) -> torch.Tensor:
+    """Consistency-mode body of ``DeepseekV4MoE._forward_fused_moe`` (vLLM 0.33.0
+    ``vllm/models/deepseek_v4/nvidia/model.py``): the whole MoE block through ``zerodiff.ops.moe``, the op the
+    training side runs, so a token's output never depends on the other tokens (nor on CUDA-graph padding):
+
+    1. FP32 gate logits from ``zerodiff.ops.router_gemm`` (:func:`router_logits`, one kernel for every M);
+    2. routing: hash-routed layers (``gate.tid2eid``) take their experts from the table row of the token id,
+       in table order, weights by :func:`zerodiff.ops.moe.route_hashed`; the other layers
+       :func:`zerodiff.ops.moe.route` (score, correction bias for the selection, deterministic top-k with ties
+       to the larger expert id, slots expert-id-descending, renormalisation, routed scale);
+    3. routed experts :func:`zerodiff.ops.moe.moe_experts` (contiguous layout, per-token FP8 activation
+       quant with UE8M0 scales when ``ue8m0``, grouped FP8 GEMMs on vLLM's own expert weights, SiLU*up with
+       the SwiGLU clamp and one BF16 rounding, FP32 combine in slot order);
+    4. the shared expert as vLLM's own module (its linears and activation are the series' routed ones), added
+       in FP32 before the one BF16 rounding (:func:`zerodiff.ops.moe.finish`).
+
+    Refused (``ConfigError``): vision routing (``gate.bias_vl``), non-FP8 experts, expert scales vLLM's MoE
+    backend re-laid out, hash routing without ``input_ids``, expert parallelism (local experts != all)."""
+    from ...ops import moe as zmoe
+    from .layers import router_logits
+
+    gate = moe.gate
+    if getattr(gate, "bias_vl", None) is not None:
+        raise ConfigError("zerodiff MoE: vision routing (bias_vl) is not supported in consistency mode")
+    experts = getattr(moe.experts, "routed_experts", moe.experts)  # MoERunner -> its RoutedExperts (weights)
+    n_local = getattr(experts, "local_num_experts", None)
+    E = int(moe.n_routed_experts)
+    if n_local is not None and int(n_local) != E:
+        raise ConfigError(f"zerodiff MoE: {n_local} local of {E} experts (expert parallelism) is not supported "
+                          "by the single-GPU MoE route")
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    logits = router_logits(x, gate.weight)
+    k = int(moe.n_activated_experts)
+    scoring = str(moe.scoring_func)
+    tid2eid = getattr(gate, "tid2eid", None)
+    if tid2eid is not None:
+        if input_ids is None:
+            raise ConfigError("zerodiff MoE: hash-routed layers need the token ids")
+        ids = tid2eid[input_ids.reshape(-1).long()].to(torch.int32)
+        weights = zmoe.route_hashed(logits, ids, scoring=scoring, renormalize=bool(moe.renormalize),
+                                    routed_scale=float(moe.routed_scaling_factor))
+    else:
+        bias = getattr(gate, "e_score_correction_bias", None)
+        weights, ids = zmoe.route(logits, k, scoring=scoring, bias=None if bias is None else bias.data,
+                                  renormalize=bool(moe.renormalize), routed_scale=float(moe.routed_scaling_factor))
+    routed = zmoe.moe_experts(x, weights, ids, dsv4_moe_weights(experts, ue8m0), clamp_limit=moe.swiglu_limit)
+    shared = moe.shared_experts(x) if getattr(moe, "shared_experts", None) is not None else None
+    return zmoe.finish(routed, shared).view(hidden_states.shape)

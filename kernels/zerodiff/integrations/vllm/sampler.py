@@ -35,3 +35,20 @@ def fix_sampled_logprobs(logprobs_tensors, raw_logits: torch.Tensor, sampled: to
     return logprobs_tensors
 
 
+
+
+def token_logprobs_columns(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Replacement for Model Runner V2's ``compute_token_logprobs(logits [B, V], token_ids [B, k])`` (used for
+    the sampled token, the top-k alternatives and prompt log-probs alike): FP32 ``log_softmax(logits)`` at each
+    requested id, column by column through ``zerodiff.ops.logprobs.token_logprobs`` (one program per row,
+    fixed reduction order): the value the training side's ``-loss`` reproduces bit for bit."""
+    from ...ops.logprobs import token_logprobs
+
+    if token_ids.dim() != 2 or token_ids.shape[0] != logits.shape[0]:
+        raise ValueError(f"zerodiff log-probs: token_ids must be [B, k] with B = {logits.shape[0]}, got "
+                         f"{tuple(token_ids.shape)}")
+    ids = token_ids.long()
+    out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+    for j in range(ids.shape[1]):
+        out[:, j] = token_logprobs(logits, ids[:, j].contiguous(), check_ids=False)
+    return out
