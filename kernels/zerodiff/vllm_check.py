@@ -210,13 +210,14 @@ ENGINE_ENV = {
 def engine_kwargs(checkpoint: str, *, consistent: bool, eager: bool, max_model_len: int, gpu_memory_utilization: float,
                   max_num_seqs: int) -> dict:
     """``vllm.LLM`` keyword arguments for one side. Both sides: TP 1, FP8 KV cache, no prefix caching,
-    token-id prompts. The consistent side also names the DeepGEMM MoE / linear backends the guard asks for;
+    token-id prompts. The consistent side also names the MoE (Triton: the expert weights keep the checkpoint
+    layout zerodiff reads) and linear (DeepGEMM) backends the guard asks for;
     the stock side keeps vLLM's own choices (the baseline is stock vLLM with its defaults)."""
     kw = dict(model=checkpoint, skip_tokenizer_init=True, tensor_parallel_size=1, kv_cache_dtype="fp8",
               enable_prefix_caching=False, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               gpu_memory_utilization=gpu_memory_utilization, enforce_eager=eager, seed=0, max_logprobs=1)
     if consistent:
-        kw.update(moe_backend="deep_gemm", linear_backend="deep_gemm")
+        kw.update(moe_backend="triton", linear_backend="deep_gemm")
     return kw
 
 
