@@ -64,7 +64,7 @@ GOOD_VLLM = dict(
     enable_prefix_caching=False, speculative=False, cudagraph_mode="FULL_AND_PIECEWISE",
     architectures=("DeepseekV4ForCausalLM",), is_moe=True, quantization="deepseek_v4_fp8", kv_cache_dtype="fp8",
     indexer_kv_dtype="auto", moe_backend="triton", linear_backend="deep_gemm", data_parallel_size=8,
-    attention_backend=None, flashinfer_sampler="0",
+    attention_backend=None, flashinfer_sampler="0", max_model_len=2048, index_topk=512, indexer_compress_ratio=4,
 )
 
 BAD_VLLM = [
@@ -85,6 +85,7 @@ BAD_VLLM = [
     ("attention_backend", "FLASHINFER_DSV4", "attention_backend='FLASHINFER_DSV4'"),
     ("flashinfer_sampler", None, "VLLM_USE_FLASHINFER_SAMPLER=None"),
     ("flashinfer_sampler", "1", "VLLM_USE_FLASHINFER_SAMPLER='1'"),
+    ("max_model_len", 2052, "max_model_len=2052"),
     ("linear_backend", "auto", "linear_backend='auto'"),
     ("linear_backend", "flashinfer_cutlass", "linear_backend='flashinfer_cutlass'"),
     ("quantization", "mxfp4", "quantization='mxfp4'"),
@@ -105,6 +106,7 @@ def test_vllm_validate_accepts_good():
     for arch in ("DeepseekV4ForConditionalGeneration", "DeepseekV41ForCausalLM"):
         zv.validate_config(**{**GOOD_VLLM, "architectures": (arch,)})
     zv.validate_config(**{**GOOD_VLLM, "quantization": "fp8"})
+    zv.validate_config(**{**GOOD_VLLM, "max_model_len": 65536, "indexer_compress_ratio": None})  # no C4A layer
     # a DeepSeek-V3-style MoE model keeps the DeepGEMM-experts rule
     with pytest.raises(ConfigError, match="moe_backend='triton'"):
         zv.validate_config(**{**GOOD_VLLM, "architectures": ("DeepseekV3ForCausalLM",)})
@@ -152,7 +154,9 @@ def fake_vllm_config(**over):
         speculative_config=d["spec"],
         compilation_config=NS(cudagraph_mode=d["mode"]),
         model_config=NS(architectures=d["archs"], is_moe=d["is_moe"], quantization=d["quant"],
-                        is_submodel_config=False),
+                        is_submodel_config=False, max_model_len=d.get("mml", 2048),
+                        hf_config=NS(index_topk=512, compress_rates={"csa": 4, "hca": 128},
+                                     layer_types=["hca", "csa", "swa"])),
         attention_config=NS(indexer_kv_dtype=d["ikv"], backend=d["attn"]),
         kernel_config=NS(moe_backend=d["moe"], linear_backend=d["lin"]),
     )
@@ -165,6 +169,8 @@ def test_vllm_check_config_object(caplog):
     assert "consistency mode ON" in caplog.text and "quantization=deepseek_v4_fp8" in caplog.text
     with pytest.raises(ConfigError, match="VLLM_USE_FLASHINFER_SAMPLER"):
         zv.check_vllm_config(fake_vllm_config(), {"ZERODIFF_CONSISTENT": "1"})
+    with pytest.raises(ConfigError, match="max_model_len=4096"):
+        zv.check_vllm_config(fake_vllm_config(mml=4096), on)
     with pytest.raises(ConfigError, match="attention_backend='FLASHINFER_DSV4'"):
         zv.check_vllm_config(fake_vllm_config(attn=_Mode("FLASHINFER_DSV4")), on)
     with pytest.raises(ConfigError, match="tensor_parallel_size=2"):

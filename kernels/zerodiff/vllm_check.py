@@ -639,7 +639,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--victim-tokens", type=int, default=48, help="tokens the victim samples (48)")
     p.add_argument("--sides", type=lambda s: [x for x in s.split(",") if x], default=list(SIDES),
                    help=f"which engines to run, comma-separated from {','.join(SIDES)} (all)")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="engine max_model_len (2048; the consistency guard caps it at 4 x index_topk)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     p.add_argument("--time-budget", type=float, default=0.0, help="skip engines not started after S seconds")

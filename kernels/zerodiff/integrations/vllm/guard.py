@@ -39,6 +39,9 @@ reads those values off a ``VllmConfig`` (duck-typed, so CPU tests use fake objec
   batch-size fork); ``auto`` picks FlashInfer first on CUDA.
 * DeepSeek-V4 attention backend: unset (vLLM's choice on SM90) or the FlashMLA sparse backend; the FlashInfer
   DeepSeek-V4 backends would run unpatched. Refused.
+* DeepSeek-V4 with indexed (C4A) layers: ``max_model_len // 4 <= index_topk``. Beyond it the DSA indexer
+  scores candidates with DeepGEMM kernels that differ between prefill and decode, which the series does not
+  route yet; within it every candidate is selected by a static rule (patch 0002). Refused otherwise.
 * ``VLLM_USE_FLASHINFER_SAMPLER`` must be ``0``: otherwise vLLM uses FlashInfer's sampler for a step whenever
   every request in it qualifies, so a request's draw depends on the others.
 
@@ -97,6 +100,9 @@ def validate_config(
     data_parallel_size: int = 1,
     attention_backend: str | None = None,
     flashinfer_sampler: str | None = "0",
+    max_model_len: int | None = None,
+    index_topk: int | None = None,
+    indexer_compress_ratio: int | None = None,
 ) -> None:
     """Raise :class:`ConfigError` naming every setting that breaks diff = 0; return None when all is fine.
 
@@ -154,6 +160,12 @@ def validate_config(
     if is_dsv4 and attention_backend not in _DSV4_ATTENTION_OK:
         p.append(f"attention_backend={attention_backend!r}: only the FlashMLA sparse DeepSeek-V4 backend is routed "
                  "through zerodiff's read path; pass --attention-backend FLASHMLA_SPARSE_DSV4 (or leave it unset)")
+    if is_dsv4 and indexer_compress_ratio and index_topk and max_model_len and \
+            int(max_model_len) // int(indexer_compress_ratio) > int(index_topk):
+        p.append(f"max_model_len={max_model_len}: with more than index_topk={index_topk} compressed entries "
+                 f"(max_model_len // {indexer_compress_ratio}) the DSA indexer scores candidates, and its prefill "
+                 "and decode logits kernels are not routed through zerodiff yet; use max_model_len <= "
+                 f"{int(index_topk) * int(indexer_compress_ratio)} (every candidate is then selected, statically)")
     if flashinfer_sampler != "0":
         p.append(f"VLLM_USE_FLASHINFER_SAMPLER={flashinfer_sampler!r}: vLLM picks FlashInfer's sampler per batch "
                  "(its draw then depends on the other requests); set VLLM_USE_FLASHINFER_SAMPLER=0")
@@ -196,7 +208,19 @@ def config_values(vllm_config: Any, environ=None) -> dict:
         data_parallel_size=int(_get(pc, "data_parallel_size", 1)),
         attention_backend=_backend_name(_get(vllm_config, "attention_config.backend")),
         flashinfer_sampler=(os.environ if environ is None else environ).get("VLLM_USE_FLASHINFER_SAMPLER"),
+        max_model_len=_get(mc, "max_model_len"),
+        index_topk=_get(mc, "hf_config.index_topk"),
+        indexer_compress_ratio=_indexer_ratio(_get(mc, "hf_config")),
     )
+
+
+def _indexer_ratio(hf_config) -> int | None:
+    """The compress ratio of DeepSeek-V4's indexed (C4A) layers, if the model has any (else None)."""
+    rates = getattr(hf_config, "compress_rates", None)
+    types = getattr(hf_config, "layer_types", None)
+    if not isinstance(rates, dict) or not types:
+        return None
+    return 4 if any(rates.get(t, 0) == 4 for t in types) else None
 
 
 def _backend_name(b) -> str | None:
