@@ -402,9 +402,16 @@ class Worker:
 
 
 # --------------------------------------------------------------------------------------------- the run
-def side_env(consistent: bool) -> dict:
+def side_env(consistent: bool, fp8_gemm_backend: str | None = None) -> dict:
+    """The environment of one engine process. The consistent side also pins zerodiff's block-FP8 GEMM backend
+    (``ZERODIFF_FP8_GEMM_BACKEND``; both RL sides must use the same) and skips vLLM's DeepGEMM warm-up (its
+    linears run zerodiff's GEMM, not vLLM's DeepGEMM kernels)."""
     env = dict(ENGINE_ENV)
     env["ZERODIFF_CONSISTENT"] = "1" if consistent else None
+    if consistent:
+        env["VLLM_DEEP_GEMM_WARMUP"] = "skip"
+        if fp8_gemm_backend:
+            env["ZERODIFF_FP8_GEMM_BACKEND"] = fp8_gemm_backend
     return env
 
 
@@ -447,10 +454,11 @@ def run_side(label: str, *, consistent: bool, eager: bool, checkpoint: str, plan
              rescore: bool = True, factory=None, log=print) -> dict:
     kw = engine_kwargs(checkpoint, consistent=consistent, eager=eager, max_model_len=args.max_model_len,
                        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs)
-    w = Worker(label, side_env(consistent), kw, factory=factory, log=log)
+    env = side_env(consistent, args.fp8_gemm_backend)
+    w = Worker(label, env, kw, factory=factory, log=log)
     try:
         ref, runs = victim_runs(w, plan, names=names, log=log)
-        res = {"info": w.info, "engine_kwargs": kw, "alone": ref, "runs": runs}
+        res = {"info": dict(w.info, env=env, engine_kwargs=kw), "alone": ref, "runs": runs}
         if rescore:
             res["rescored"] = rescore_runs(w, plan, ref, log=log)
         return res
@@ -511,7 +519,8 @@ def run_bench(args, checkpoint: str, vocab: int, doc: dict, factory=None, log=pr
             kw = engine_kwargs(checkpoint, consistent=consistent, eager=False, max_model_len=args.max_model_len,
                                gpu_memory_utilization=args.bench_gpu_memory_utilization,
                                max_num_seqs=max(args.max_num_seqs, max(args.bench_concurrency)))
-            workers[label] = Worker(f"bench-{label}", side_env(consistent), kw, factory=factory, log=log)
+            workers[label] = Worker(f"bench-{label}", side_env(consistent, args.fp8_gemm_backend), kw,
+                                    factory=factory, log=log)
         rows = []
         for conc in args.bench_concurrency:
             reqs = make_bench_requests(vocab, conc, seed=args.seed, prompt=tuple(args.bench_prompt),
@@ -650,6 +659,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--bench-output", type=_pair, default=(512, 1024), help="output length range LO,HI")
     p.add_argument("--bench-repeats", type=int, default=3)
     p.add_argument("--bench-gpu-memory-utilization", type=float, default=0.4)
+    p.add_argument("--fp8-gemm-backend", default="triton", choices=["triton", "deepgemm", "auto"],
+                   help="zerodiff's block-FP8 GEMM backend on the consistent side (triton: no DeepGEMM JIT or "
+                   "probe at start; deepgemm: after its row-invariance probe; auto: zerodiff's per-shape choice)")
     p.add_argument("--json", help="write the results here (rewritten after every engine)")
     p.add_argument("--engine-factory", help=argparse.SUPPRESS)  # module:callable, for tests without a GPU
     p.set_defaults(func=_validated)
@@ -657,6 +669,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _validated(args) -> int:
+    if args.fp8_gemm_backend == "auto":
+        args.fp8_gemm_backend = None
     bad = [s for s in args.sides if s not in SIDES]
     if bad:
         print(f"zerodiff vllm-check: --sides {','.join(bad)}: unknown; choose from {','.join(SIDES)}",
