@@ -261,7 +261,7 @@ class VllmEngine:
 
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt)) for r in requests]
         params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=r.seed, max_tokens=r.max_tokens,
-                                 min_tokens=r.max_tokens, ignore_eos=True, logprobs=0,
+                                 ignore_eos=True, logprobs=0,
                                  prompt_logprobs=0 if r.prompt_logprobs else None, detokenize=False)
                   for r in requests]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
