@@ -652,8 +652,8 @@ def build(out: Path, work: Path, part_mib: int, with_mhc: bool, offline: bool) -
         worst = max([worst] + [p["bytes"] for p in s["parts"]])
     say(f"  {out}/manifest.json; the largest part is {worst / MIB:.2f} MiB (a call carries at most "
         f"{CALL_LIMIT // MIB} MiB, the repository copy included)")
-    say(f"  on the box: build/vllm-runtime-unpack.sh [--stage DIR] {out.name if out.is_relative_to(REPO) else out} "
-        f"DEST, then `. DEST/env.sh`")
+    say(f"  on the box: build/vllm-runtime-unpack.sh [--stage DIR] "
+        f"{out.relative_to(REPO) if out.is_relative_to(REPO) else out} DEST, then `. DEST/env.sh`")
     return 0
 
 
