@@ -7,12 +7,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ZD := $(PY) -m zerodiff.cli
 PYTEST_ARGS ?=
+# the runtime build needs no torch, only a Python with pip: the venv's when it exists, else python3
+BUILD_PY = $(if $(wildcard $(PY)),$(PY),python3)
+VLLM_RUNTIME_ARGS ?=
 # a user's own checkouts (forks) instead of the pinned trees; passed to the scripts through the environment
 export VLLM_SRC MEGATRON_SRC VENV
 
 .DEFAULT_GOAL := all
 .PHONY: all help venv sources apply unapply check-patches summary e2e-check kernels-from-wheel doctor \
-        test test-gpu clean
+        vllm-runtime vllm-runtime-lock test test-gpu clean
 
 all: venv sources apply check-patches summary e2e-check ## the main job: venv, sources, apply, check-patches, summary, end-to-end check
 
@@ -22,7 +25,8 @@ help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' Makefile | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 28
 	@echo
 	@echo "  Variables: VLLM_SRC=/path/to/your/vllm MEGATRON_SRC=/path/to/your/megatron (use your fork, 3-way merge),"
-	@echo "             VENV=.venv, TORCH_INDEX_URL=<extra pip index for the CPU torch wheel>, PYTEST_ARGS=..."
+	@echo "             VENV=.venv, TORCH_INDEX_URL=<extra pip index for the CPU torch wheel>, PYTEST_ARGS=...,"
+	@echo "             STOCK_MHC=1 (vllm-runtime: also the TileLang set), VLLM_RUNTIME_ARGS=... (e.g. --part-mib 50)"
 
 venv: ## create/refresh the virtual environment (.venv); instant when up to date
 	@build/venv.sh
@@ -52,6 +56,12 @@ e2e-check: venv ## the end-to-end consistency check: `zerodiff check` on the def
 kernels-from-wheel: venv ## FlashMLA + DeepGEMM out of vLLM's pinned wheel into build/wheel-kernels (+ .carry tarball)
 	@$(PY) build/wheel_kernels.py
 
+vllm-runtime: ## patched vLLM + its missing wheels + zerodiff for an offline GPU box: xz parts <= 60 MiB in .carry/vllm-runtime/
+	@$(BUILD_PY) build/vllm_runtime.py $(if $(STOCK_MHC),--with-stock-mhc) $(VLLM_RUNTIME_ARGS)
+
+vllm-runtime-lock: ## re-resolve build/vllm-runtime.lock (the exact dependency wheels vllm-runtime carries; needs PyPI)
+	@$(BUILD_PY) build/vllm_runtime.py --lock
+
 doctor: venv ## what this machine can run (torch, Triton, CUDA, backends, pins)
 	@$(ZD) doctor
 
@@ -61,5 +71,5 @@ test: venv ## the test suite (CPU; tests marked gpu run when CUDA is present, sk
 test-gpu: venv ## GPU tests only (needs CUDA; run `make kernels-from-wheel` first for DeepGEMM/FlashMLA)
 	$(PY) -m pytest -q -m gpu tests $(PYTEST_ARGS)
 
-clean: ## remove build outputs (unpacked sources, wheel kernels, carry tarball); keeps downloads and .venv
-	rm -rf build/sources build/wheel-kernels .carry/wheel-kernels.tar.gz
+clean: ## remove build outputs (unpacked sources, wheel kernels, vLLM runtime, carried files); keeps downloads and .venv
+	rm -rf build/sources build/wheel-kernels .carry/wheel-kernels.tar.gz build/vllm-runtime .carry/vllm-runtime

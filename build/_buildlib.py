@@ -1,4 +1,5 @@
-"""Shared helpers for the build scripts (sources.py, patches.py, wheel_kernels.py). Standard library only.
+"""Shared helpers for the build scripts (sources.py, patches.py, wheel_kernels.py, wheel_overlay.py,
+vllm_runtime.py). Standard library only.
 
 Every path the scripts use can be redirected by an environment variable, so tests point them at tmp dirs:
 
@@ -18,6 +19,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,6 +99,61 @@ def verify_sha256(path: Path, expected: str, what: str) -> None:
             f"  got      {got}\n"
             f"  refusing to use it; delete the file to download it again, or fix build/pins if the pin moved"
         )
+
+
+def wheel_platform(filename: str) -> str:
+    """The platform tag of a wheel file name (the last of its dash-separated fields before ``.whl``)."""
+    if not filename.endswith(".whl") or filename.count("-") < 4:
+        raise BuildError(f"{filename!r} is not a wheel file name (name-version-python-abi-platform.whl)")
+    return filename[: -len(".whl")].rsplit("-", 1)[1]
+
+
+def pip_download(requirement: str, dest: Path, *, platforms: tuple[str, ...] = (),
+                 python_version: str | None = None, what: str | None = None) -> Path:
+    """Download the one wheel pip picks for ``requirement`` (no dependencies, binary only) into ``dest``.
+
+    ``platforms`` / ``python_version`` select wheels for another machine (pip's ``--platform``,
+    ``--python-version``, CPython). pip writes into a fresh temporary folder first, so the file it chose is
+    known exactly; it is then moved into ``dest`` (replacing a file of the same name). Returns its path.
+    Raises BuildError with pip's last lines when pip fails or yields anything but exactly one wheel.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest, prefix=".pip-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
+               "--only-binary", ":all:", "-d", tmp]
+        for plat in platforms:
+            cmd += ["--platform", plat]
+        if python_version:
+            cmd += ["--python-version", python_version, "--implementation", "cp"]
+        cmd.append(requirement)
+        p = subprocess.run(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        got = sorted(Path(tmp).iterdir())
+        if p.returncode != 0 or len(got) != 1 or not got[0].name.endswith(".whl"):
+            tail = "\n".join(l for l in p.stdout.strip().splitlines() if "is ignored" not in l)
+            tail = "\n".join(tail.splitlines()[-12:])
+            raise BuildError(f"pip could not fetch {what or requirement} ({requirement!r}, rc {p.returncode}, "
+                             f"files {[f.name for f in got]}):\n{tail}")
+        target = dest / got[0].name
+        got[0].replace(target)
+    return target
+
+
+def fetch_pinned_wheel(name_key: str, sha_key: str, requirement: str, pins: dict[str, str], *,
+                       offline: bool, python_version: str | None = None, what: str = "wheel") -> Path:
+    """``build/downloads/<pins[name_key]>``, fetched with pip for the wheel's own platform when missing,
+    then checked against ``pins[sha_key]`` (a mismatch is refused). ``offline``: never download."""
+    path = downloads_dir() / pins[name_key]
+    if not path.exists():
+        if offline:
+            raise BuildError(f"{path} is missing and ZD_OFFLINE=1 (or --offline) forbids downloading it")
+        say(f"fetching {pins[name_key]} with pip")
+        got = pip_download(requirement, path.parent, platforms=(wheel_platform(pins[name_key]),),
+                           python_version=python_version, what=what)
+        if got.name != path.name:
+            raise BuildError(f"pip fetched {got.name} for {requirement!r}, but build/pins' {name_key} is "
+                             f"{path.name}: fix {name_key} in build/pins")
+    verify_sha256(path, pins[sha_key], what)
+    return path
 
 
 def git(args: list[str], cwd: Path, *, check: bool = True, env: dict | None = None,

@@ -138,7 +138,11 @@ def require_tree(side: str) -> tuple[Path, bool]:
     return tree, is_user
 
 
-def _apply(tree: Path, patch: Path, *extra: str, env: dict | None = None):
+def git_apply(tree: Path, patch: Path, *extra: str, env: dict | None = None):
+    """``git apply EXTRA... PATCH`` run in ``tree``; returns the CompletedProcess (never raises on failure).
+
+    Every way the project applies a patch goes through here (apply, unapply, check, and the wheel overlay of
+    build/wheel_overlay.py), so they agree on what "applies" means."""
     return git(["apply", *extra, str(patch)], tree, check=False, env=env)
 
 
@@ -181,7 +185,7 @@ def _three_way(tree: Path, patch: Path, reverse: bool):
         sync = [f for f in files if saved[f] is not None or f in tracked]
         if sync:
             git(["update-index", "--add", "--remove", "--", *sync], tree, env=idx)
-        r = _apply(tree, patch, "--3way", *(["-R"] if reverse else []), env=idx)
+        r = git_apply(tree, patch, "--3way", *(["-R"] if reverse else []), env=idx)
     if r.returncode != 0:
         for f, data in saved.items():
             if data is None:
@@ -203,11 +207,11 @@ def apply_side(side: str) -> list[str]:
     done = []
     for p in series:
         key = f"{side}/{p.name}"
-        if _apply(tree, p, "--check", "-R").returncode == 0 or key in recorded:
+        if git_apply(tree, p, "--check", "-R").returncode == 0 or key in recorded:
             say(f"[{side}] {p.name}: already applied")
             done.append(p.name)
             continue
-        r = _apply(tree, p)
+        r = git_apply(tree, p)
         if r.returncode == 0:
             say(f"[{side}] {p.name}: applied")
             done.append(p.name)
@@ -235,8 +239,8 @@ def unapply_side(side: str) -> list[str]:
     undone = []
     for p in reversed(series):
         key = f"{side}/{p.name}"
-        if _apply(tree, p, "-R", "--check").returncode == 0:
-            r = _apply(tree, p, "-R")
+        if git_apply(tree, p, "-R", "--check").returncode == 0:
+            r = git_apply(tree, p, "-R")
             if r.returncode != 0:
                 raise BuildError(f"[{side}] could not reverse {p.name}:\n{explain_failure(p, r.stderr)}")
             say(f"[{side}] {p.name}: reversed")
@@ -246,7 +250,7 @@ def unapply_side(side: str) -> list[str]:
                 raise BuildError(f"[{side}] could not reverse {p.name} (applied with a 3-way merge) in {tree}:\n"
                                  f"{explain_failure(p, r.stderr)}")
             say(f"[{side}] {p.name}: reversed with a 3-way merge")
-        elif _apply(tree, p, "--check").returncode == 0:
+        elif git_apply(tree, p, "--check").returncode == 0:
             say(f"[{side}] {p.name}: not applied, nothing to reverse")
             continue
         elif is_user:  # on a fork a patch that never applied matches neither way
@@ -254,7 +258,7 @@ def unapply_side(side: str) -> list[str]:
                 f"left as is")
             continue
         else:
-            r = _apply(tree, p, "-R", "--check")
+            r = git_apply(tree, p, "-R", "--check")
             raise BuildError(f"[{side}] {p.name} is neither cleanly applied nor cleanly absent in {tree} "
                              f"(edited by hand?):\n{explain_failure(p, r.stderr)}")
         if key in recorded:
@@ -299,7 +303,7 @@ def check_side(side: str) -> list[str]:
         # (a) each patch alone on the base
         for p in series:
             reset_index()
-            r = _apply(tree, p, "--cached", "--check", env=idx)
+            r = git_apply(tree, p, "--cached", "--check", env=idx)
             if r.returncode != 0:
                 problems.append(f"(a) {p.name} does not apply alone on the base (cherry-pick); "
                                 f"does it depend on an earlier patch?\n{explain_failure(p, r.stderr)}")
@@ -309,7 +313,7 @@ def check_side(side: str) -> list[str]:
         reset_index()
         applied: list[Path] = []
         for p in series:
-            r = _apply(tree, p, "--cached", env=idx)
+            r = git_apply(tree, p, "--cached", env=idx)
             if r.returncode != 0:
                 problems.append(f"(b) {p.name} does not apply in series order after "
                                 f"{', '.join(q.name for q in applied) or 'nothing'}:\n{explain_failure(p, r.stderr)}")
@@ -320,7 +324,7 @@ def check_side(side: str) -> list[str]:
         patched_tree = git(["write-tree"], tree, env=idx).stdout.strip()
         # (c) reverse what was applied, last first, back to the base tree
         for p in reversed(applied):
-            r = _apply(tree, p, "--cached", "-R", env=idx)
+            r = git_apply(tree, p, "--cached", "-R", env=idx)
             if r.returncode != 0:
                 problems.append(f"(c) {p.name} does not reverse cleanly:\n{explain_failure(p, r.stderr)}")
                 break
@@ -358,7 +362,7 @@ def summary_side(side: str) -> None:
     recorded = _state(tree) if tree.is_dir() and is_git_toplevel(tree) else set()
     for p in series:
         info = inspect_patch(p)
-        applied = tree.is_dir() and (_apply(tree, p, "-R", "--check").returncode == 0
+        applied = tree.is_dir() and (git_apply(tree, p, "-R", "--check").returncode == 0
                                      or f"{side}/{p.name}" in recorded)
         say(f"  {p.name}  [{'applied' if applied else 'NOT applied'}]  {info.subject}")
         for f in info.files:

@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
 
-from _buildlib import REPO, BuildError, downloads_dir, load_pins, main_wrapper, say, verify_sha256
+from _buildlib import REPO, BuildError, fetch_pinned_wheel, load_pins, main_wrapper, say
 
 UPLOAD_LIMIT = 64 * 1024 * 1024
 
@@ -49,20 +48,9 @@ __version__ = "{version}+zerodiff-wheel-kernels"
 
 
 def wheel_path(pins: dict[str, str], offline: bool) -> Path:
-    path = downloads_dir() / pins["VLLM_WHEEL"]
-    if path.exists():
-        return path
-    if offline:
-        raise BuildError(f"{path} is missing and ZD_OFFLINE=1 forbids downloading it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           f"vllm=={pins['VLLM_VERSION']}", "-d", str(path.parent)]
-    say(f"fetching: {' '.join(cmd)}")
-    p = subprocess.run(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    if p.returncode != 0 or not path.exists():
-        tail = "\n".join(p.stdout.strip().splitlines()[-15:])
-        raise BuildError(f"pip could not fetch {pins['VLLM_WHEEL']} (rc {p.returncode}):\n{tail}")
-    return path
+    """The pinned vLLM wheel in build/downloads (fetched for its own platform when missing), sha256-checked."""
+    return fetch_pinned_wheel("VLLM_WHEEL", "VLLM_WHEEL_SHA256", f"vllm=={pins['VLLM_VERSION']}", pins,
+                              offline=offline, what="vLLM wheel")
 
 
 def wanted(name: str) -> bool:
@@ -108,7 +96,6 @@ def write_tarball(src: Path, tarball: Path) -> int:
 def run(out: Path, tarball: Path, offline: bool) -> int:
     pins = load_pins()
     wheel = wheel_path(pins, offline or os.environ.get("ZD_OFFLINE") == "1")
-    verify_sha256(wheel, pins["VLLM_WHEEL_SHA256"], "vLLM wheel")
     say(f"{wheel.name}: sha256 ok")
     out.parent.mkdir(parents=True, exist_ok=True)
     total = extract(wheel, out, pins)

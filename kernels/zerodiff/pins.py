@@ -29,6 +29,8 @@ REQUIRED_KEYS = (
     "TORCH_IMAGE_VERSION",
     "TORCH_CPU_VERSION",
     "TRITON_CPU_VERSION",
+    "RUNTIME_PYTHON",
+    "RUNTIME_PLATFORM",
 )
 
 _KEY_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
