@@ -561,10 +561,10 @@ def cmd_vllm_check(args) -> int:
     if checkpoint is None:
         checkpoint = str(Path(args.workdir) / f"ckpt-{args.preset}-seed{args.seed}")
         if not (Path(checkpoint) / "config.json").exists():
-            from .checkpoint import write_checkpoint  # noqa: PLC0415 - optional until asked for
+            from .checkpoint import make_checkpoint
 
             log(f"writing checkpoint preset {args.preset} seed {args.seed} to {checkpoint}")
-            write_checkpoint(args.preset, checkpoint, seed=args.seed)
+            make_checkpoint(checkpoint, args.preset, args.seed)
     vocab, preset = _checkpoint_vocab(checkpoint)
     plan = make_victim_plan(vocab, seed=args.seed, concurrency=args.concurrency, victim_tokens=args.victim_tokens)
     doc: dict[str, Any] = {

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Engine-level acceptance inside real, patched vLLM on a GPU machine with no network: `zerodiff vllm-check`.
+#
+# usage: gpu/vllm-acceptance.sh [--stage-only] [--] [zerodiff vllm-check arguments...]
+#
+# The runtime (`make vllm-runtime STOCK_MHC=1`: .carry/vllm-runtime/, parts of at most 60 MiB) may arrive over
+# several calls: every call stages the parts it carries in $ZD_STAGE (default /root/zd-parts, a folder that
+# outlives the call while the machine stays up) and, once all are there, unpacks them into $ZD_RUNTIME (default
+# /root/zd-rt). If .carry/vllm-overlay/ is present (`python3 build/vllm_overlay_files.py`), its patched vLLM
+# files are copied over the runtime, so the engine runs the series of this working tree even when the parts
+# were built from an earlier one. zerodiff itself is imported from this working tree (kernels/).
+# Then, unless --stage-only or the runtime is incomplete, it runs `zerodiff vllm-check` with the arguments
+# given, writing vllm-acceptance.json, vllm-check.log and unpack.log into $OUT (default
+# results/vllm-<date>/). DeepGEMM's and Triton's caches live in /root/zd-cache so a later call on the same
+# machine starts warm. Exit: vllm-check's status (0 only when the acceptance passed); 0 after staging only.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+stage_only=0
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "--stage-only" ]]; then stage_only=1; shift; fi
+[[ "${1:-}" == "--" ]] && shift
+OUT="${OUT:-$ROOT/results/vllm-$(date -u +%Y-%m-%d)}"
+STAGE="${ZD_STAGE:-/root/zd-parts}"
+DEST="${ZD_RUNTIME:-/root/zd-rt}"
+mkdir -p "$OUT"
+say() { echo "[vllm-acceptance] $*"; }
+
+build/vllm-runtime-unpack.sh --stage "$STAGE" --no-import-check .carry/vllm-runtime "$DEST" 2>&1 | tee -a "$OUT/unpack.log"
+[[ ${PIPESTATUS[0]} == 0 ]] || { say "unpack failed (see $OUT/unpack.log)"; exit 1; }
+if [[ ! -f "$DEST/env.sh" ]]; then say "parts staged in $STAGE; the runtime is not complete yet"; exit 0; fi
+[[ $stage_only == 1 ]] && { say "staged (--stage-only)"; exit 0; }
+
+# shellcheck disable=SC1091
+. "$DEST/env.sh"
+if [[ -f .carry/vllm-overlay/overlay.json ]]; then
+    cp -r .carry/vllm-overlay/vllm "$DEST/site/"
+    say "overlay: $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(len(d["files"]), "patched files of", len(d["patches"]), "patches, series", d["series_sha256"][:12])' .carry/vllm-overlay/overlay.json)"
+fi
+export PYTHONPATH="$ROOT/kernels:${PYTHONPATH:-}"
+mkdir -p /root/zd-cache/deepgemm /root/zd-cache/triton
+export DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-/root/zd-cache/deepgemm}" TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/root/zd-cache/triton}"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$OUT/device.txt"
+python3 -c 'import torch, vllm, zerodiff; print("torch", torch.__version__, "vllm", vllm.__version__, "zerodiff", zerodiff.__file__)' 2>&1 | tee -a "$OUT/device.txt"
+python3 -m zerodiff.cli vllm-check --json "$OUT/vllm-acceptance.json" "$@" 2>&1 | tee "$OUT/vllm-check.log"
+rc=${PIPESTATUS[0]}
+say "vllm-check exited $rc"
+exit "$rc"
