@@ -576,10 +576,10 @@ def cmd_vllm_check(args) -> int:
     }
     sides: dict[str, dict] = {}
     factory = args.engine_factory
-    order = [("consistent", True, False, None), ("consistent_eager", True, True,
-                                                 {"alone"} | {c["name"] for c in plan["cases"]
-                                                              if c["others"] in EAGER_CONCURRENCY}),
-             ("stock", False, False, None)]
+    eager_cases = {"alone"} | {c["name"] for c in plan["cases"] if c["others"] in EAGER_CONCURRENCY}
+    # the negative control before the eager engine: without it the acceptance proves nothing
+    order = [("consistent", True, False, None), ("stock", False, False, None),
+             ("consistent_eager", True, True, eager_cases)]
     for label, consistent, eager, names in order:
         if label not in args.sides:
             continue
