@@ -9,6 +9,10 @@
 # /root/zd-rt). If .carry/vllm-overlay/ is present (`python3 build/vllm_overlay_files.py`), its patched vLLM
 # files are copied over the runtime, so the engine runs the series of this working tree even when the parts
 # were built from an earlier one. zerodiff itself is imported from this working tree (kernels/).
+# Extra wheels the runtime lacks (e.g. CuTeDSL, which vLLM's DeepSeek-V4 compressor imports on CUDA) may come in
+# .carry/extra-wheels/ (SHA256SUMS + wheels, a large wheel cut into NAME.partNN): staged in $ZD_EXTRA_STAGE
+# (default /root/zd-extra-parts) the same way, checked against SHA256SUMS, installed with pip --no-deps into
+# $ZD_EXTRA (default /root/zd-extra) once all are there, and put on PYTHONPATH.
 # Then, unless --stage-only or the runtime is incomplete, it runs `zerodiff vllm-check` with the arguments
 # given, writing vllm-acceptance.json, vllm-check.log and unpack.log into $OUT (default
 # results/vllm-<date>/). DeepGEMM's and Triton's caches live in /root/zd-cache so a later call on the same
@@ -28,7 +32,36 @@ say() { echo "[vllm-acceptance] $*"; }
 
 build/vllm-runtime-unpack.sh --stage "$STAGE" --no-import-check .carry/vllm-runtime "$DEST" 2>&1 | tee -a "$OUT/unpack.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || { say "unpack failed (see $OUT/unpack.log)"; exit 1; }
-if [[ ! -f "$DEST/env.sh" ]]; then say "parts staged in $STAGE; the runtime is not complete yet"; exit 0; fi
+EXTRA_STAGE="${ZD_EXTRA_STAGE:-/root/zd-extra-parts}" EXTRA="${ZD_EXTRA:-/root/zd-extra}"
+extra_ok=1
+if [[ -f .carry/extra-wheels/SHA256SUMS ]]; then
+    mkdir -p "$EXTRA_STAGE"
+    cp .carry/extra-wheels/SHA256SUMS "$EXTRA_STAGE/SHA256SUMS"
+    find .carry/extra-wheels -maxdepth 1 -type f ! -name SHA256SUMS -exec mv -f {} "$EXTRA_STAGE/" \;
+    while read -r sha name; do
+        if [[ ! -f "$EXTRA_STAGE/$name" ]] && compgen -G "$EXTRA_STAGE/$name.part*" >/dev/null; then
+            cat "$EXTRA_STAGE/$name".part* > "$EXTRA_STAGE/$name.tmp"
+            if [[ "$(sha256sum "$EXTRA_STAGE/$name.tmp" | cut -d' ' -f1)" == "$sha" ]]; then
+                mv "$EXTRA_STAGE/$name.tmp" "$EXTRA_STAGE/$name" && rm -f "$EXTRA_STAGE/$name".part*
+            else rm -f "$EXTRA_STAGE/$name.tmp"; fi
+        fi
+        if [[ -f "$EXTRA_STAGE/$name" ]]; then
+            [[ "$(sha256sum "$EXTRA_STAGE/$name" | cut -d' ' -f1)" == "$sha" ]] || { say "extra wheel $name is corrupt"; exit 1; }
+        else
+            say "extra wheel $name: not complete yet"; extra_ok=0
+        fi
+    done < "$EXTRA_STAGE/SHA256SUMS"
+    if [[ $extra_ok == 1 && ! -f "$EXTRA/.installed" ]]; then
+        if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$EXTRA" \
+                "$EXTRA_STAGE"/*.whl > "$OUT/pip-extra.log" 2>&1; then
+            touch "$EXTRA/.installed"
+            say "extra wheels installed in $EXTRA: $(ls "$EXTRA_STAGE"/*.whl | wc -l)"
+        else
+            say "installing the extra wheels failed:"; tail -5 "$OUT/pip-extra.log"; exit 1
+        fi
+    fi
+fi
+if [[ ! -f "$DEST/env.sh" || $extra_ok == 0 ]]; then say "parts staged; the runtime is not complete yet"; exit 0; fi
 [[ $stage_only == 1 ]] && { say "staged (--stage-only)"; exit 0; }
 
 # shellcheck disable=SC1091
@@ -37,6 +70,7 @@ if [[ -f .carry/vllm-overlay/overlay.json ]]; then
     cp -r .carry/vllm-overlay/vllm "$DEST/site/"
     say "overlay: $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(len(d["files"]), "patched files of", len(d["patches"]), "patches, series", d["series_sha256"][:12])' .carry/vllm-overlay/overlay.json)"
 fi
+[[ -f "$EXTRA/.installed" ]] && export PYTHONPATH="$EXTRA:${PYTHONPATH:-}"
 export PYTHONPATH="$ROOT/kernels:${PYTHONPATH:-}"
 mkdir -p /root/zd-cache/deepgemm /root/zd-cache/triton
 export DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-/root/zd-cache/deepgemm}" TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/root/zd-cache/triton}"
