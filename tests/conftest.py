@@ -2,6 +2,12 @@
 
 * Without CUDA, Triton kernels run through Triton's CPU interpreter (``TRITON_INTERPRET=1``), which must be
   set before triton is imported; CPU tests keep interpreter shapes small (about 1 s per 2048-wide row).
+* In the interpreter ``tl.dot`` is the host BLAS (``np.matmul``). OpenBLAS's sgemm micro-kernels on some
+  CPU cores (its Haswell and Zen kernels; not SkylakeX) give a row bits that depend on where the row sits
+  in the micro-tile, so a victim-in-batch test of a Triton GEMM would test the host BLAS, not the kernel.
+  The interpreter's dot is therefore replaced by a row-at-a-time product (one identical BLAS call per
+  output row): a row's bits depend on that row and the other operand only, on every CPU. The GPU runs the
+  real ``tl.dot``; interpreter bits are never GPU bits (tests compare them to references with tolerances).
 * ``@pytest.mark.gpu`` tests run only where CUDA is present and are skipped otherwise.
 """
 
@@ -18,6 +24,39 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+
+def _row_at_a_time_interpreter_dot():
+    """Replace the Triton interpreter's ``create_dot`` with a row-independent product (see above)."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except Exception:  # pragma: no cover - no Triton: nothing to patch
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    stock = getattr(builder, "create_dot", None)
+    if stock is None or getattr(stock, "_zerodiff_rows", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out = stock(self, a, b, d, input_precision, max_num_imprecise_acc)  # dtype handling stays Triton's
+        a_data, b_data = a.data, b.data
+        if a_data.dtype.itemsize == 1 or b_data.dtype.itemsize == 1:
+            return out  # fp8 operands: Triton widens them to fp16 itself; keep its product
+        acc = d.data
+        rows = np.empty(acc.shape, dtype=acc.dtype)
+        for idx in np.ndindex(*a_data.shape[:-1]):
+            bm = b_data[idx[:-1]] if b_data.ndim > 2 else b_data
+            rows[idx] = np.matmul(a_data[idx], bm, dtype=acc.dtype)
+        out.data = rows + acc
+        return out
+
+    create_dot._zerodiff_rows = True
+    builder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _row_at_a_time_interpreter_dot()
 
 
 def pytest_collection_modifyitems(config, items):
