@@ -26,7 +26,7 @@ help: ## list the targets
 	@echo
 	@echo "  Variables: VLLM_SRC=/path/to/your/vllm MEGATRON_SRC=/path/to/your/megatron (use your fork, 3-way merge),"
 	@echo "             VENV=.venv, TORCH_INDEX_URL=<extra pip index for the CPU torch wheel>, PYTEST_ARGS=...,"
-	@echo "             STOCK_MHC=1 (vllm-runtime: also the TileLang set), VLLM_RUNTIME_ARGS=... (e.g. --part-mib 50)"
+	@echo "             DSV4=1 (vllm-runtime: also the DeepSeek-V4 set: TileLang, CuTeDSL, QuACK), VLLM_RUNTIME_ARGS=... (e.g. --part-mib 50)"
 
 venv: ## create/refresh the virtual environment (.venv); instant when up to date
 	@build/venv.sh
@@ -57,7 +57,7 @@ kernels-from-wheel: venv ## FlashMLA + DeepGEMM out of vLLM's pinned wheel into 
 	@$(PY) build/wheel_kernels.py
 
 vllm-runtime: ## patched vLLM + its missing wheels + zerodiff for an offline GPU box: xz parts <= 60 MiB in .carry/vllm-runtime/
-	@$(BUILD_PY) build/vllm_runtime.py $(if $(STOCK_MHC),--with-stock-mhc) $(VLLM_RUNTIME_ARGS)
+	@$(BUILD_PY) build/vllm_runtime.py $(if $(DSV4),--with-dsv4) $(VLLM_RUNTIME_ARGS)
 
 vllm-runtime-lock: ## re-resolve build/vllm-runtime.lock (the exact dependency wheels vllm-runtime carries; needs PyPI)
 	@$(BUILD_PY) build/vllm_runtime.py --lock

@@ -14,8 +14,11 @@ inputs only, a folder tree that makes the patched vLLM importable there with ``P
 * the dependency wheels of ``build/vllm-runtime.lock`` (exact versions and sha256), unpacked into ``site/``;
 * zerodiff itself (``kernels/zerodiff`` -> ``site/zerodiff``) and ``build/pins`` (-> ``build/pins``).
 
-With ``--with-stock-mhc`` a second, optional set holds TileLang and what it imports: stock vLLM runs
-DeepSeek-V4's mHC through TileLang (the baseline / negative control needs it; the patched path does not).
+With ``--with-dsv4`` a second, optional set holds the kernel DSLs vLLM's DeepSeek-V4 path imports on CUDA:
+TileLang (stock mHC; vLLM's JIT warm-up compiles those kernels on the patched side too), CuTeDSL (the
+compressor and the indexer's query quantisation, on both sides) with its CUDA 13 libraries and
+``cuda-bindings``, and QuACK (CuTeDSL helpers those kernels import). A DeepSeek-V4 engine does not start
+without it; other models do not need it.
 
 Each set is one tar stream compressed with ``xz -9 -T0`` and cut into parts of at most ``--part-mib`` MiB
 (the minimal count for that size) in ``--out`` (default ``.carry/vllm-runtime/``), next to ``manifest.json``
@@ -23,7 +26,7 @@ Each set is one tar stream compressed with ``xz -9 -T0`` and cut into parts of a
 commit, the patches applied with their sha256, the lock file's sha256 and the environment to set).
 ``build/vllm-runtime-unpack.sh`` checks, assembles and unpacks them on the box.
 
-``--lock`` resolves the dependency list (:data:`BASE_DEPS`, :data:`STOCK_MHC_DEPS`) instead: each package at the
+``--lock`` resolves the dependency list (:data:`BASE_DEPS`, :data:`DSV4_DEPS`) instead: each package at the
 newest version that satisfies the pinned vLLM wheel's ``Requires-Dist`` and the ``Requires-Dist`` of the other
 listed packages, for CPython ``RUNTIME_PYTHON`` on Linux x86-64 up to ``RUNTIME_PLATFORM`` (build/pins), and
 writes the lock file. Requires the ``packaging`` module and PyPI.
@@ -31,7 +34,7 @@ writes the lock file. Requires the ``packaging`` module and PyPI.
 Settings: ``ZERODIFF_PINS``, ``ZD_DOWNLOADS``, ``ZD_PATCHES`` (build/_buildlib.py), ``ZD_VLLM_RUNTIME_LOCK``
 (the lock file), ``ZD_OFFLINE=1`` (same as ``--offline``).
 
-usage: vllm_runtime.py [--lock] [--with-stock-mhc] [--part-mib N] [--out DIR] [--work DIR] [--offline]
+usage: vllm_runtime.py [--lock] [--with-dsv4] [--part-mib N] [--out DIR] [--work DIR] [--offline]
 """
 
 from __future__ import annotations
@@ -98,9 +101,15 @@ BASE_DEPS = (
     "starlette", "blake3", "setproctitle", "depyf", "astor", "dill", "llguidance", "outlines-core",
     "lm-format-enforcer", "lark", "interegular", "nvtx", "orjson", "ijson",
 )
-#: TileLang and what it imports beyond BASE_DEPS and the box: stock vLLM's DeepSeek-V4 mHC only
-STOCK_MHC_DEPS = ("tilelang", "z3-solver", "torch-c-dlpack-ext", "ml-dtypes")
-GROUPS = {"base": BASE_DEPS, "stock-mhc": STOCK_MHC_DEPS}
+#: what vLLM's DeepSeek-V4 path imports on CUDA beyond BASE_DEPS and the box (see the module docstring)
+DSV4_DEPS = ("tilelang", "z3-solver", "torch-c-dlpack-ext", "ml-dtypes",
+             "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core",
+             "nvidia-cutlass-dsl-libs-cu13", "cuda-bindings", "cuda-pathfinder", "quack-kernels")
+GROUPS = {"base": BASE_DEPS, "dsv4": DSV4_DEPS}
+#: constraints of our own on top of the wheels' Requires-Dist, each with its reason
+CONSTRAINTS = {
+    "cuda-bindings": ("<13.1", "the box's driver (580) serves CUDA 13.0; 13.0.3 is what ran there"),
+}
 
 #: packages the box has (it runs torch 2.11 + CUDA, Triton, transformers, safetensors, numpy); a dependency
 #: wheel's requirement on one of these is expected to be met there and is not carried
@@ -115,6 +124,9 @@ ENV = (
             "in a subprocess"},
     {"name": "VLLM_USE_FLASHINFER_SAMPLER", "value": "0", "mode": "set",
      "why": "the default Model Runner V2 sampler imports FlashInfer otherwise, and FlashInfer is not carried"},
+    {"name": "PYTHONPATH", "value": "{DEST}/site/nvidia_cutlass_dsl/dsl_packages", "mode": "prepend",
+     "why": "CuTeDSL (dsv4 set) puts its packages on sys.path through a .pth file, which a PYTHONPATH folder "
+            "does not run; harmless without the dsv4 set"},
     {"name": "CUDA_HOME", "value": "/usr/local/cuda", "mode": "default",
      "why": "DeepGEMM JIT-compiles its kernels with nvcc from CUDA_HOME"},
     {"name": "ZERODIFF_PINS", "value": "{DEST}/build/pins", "mode": "set",
@@ -268,10 +280,20 @@ def resolve_lock(pins: dict[str, str], vllm_wheel: Path, cache: Path, max_rounds
         spec = {n: SpecifierSet() for n in group_of}
         why: dict[str, list[str]] = {n: [] for n in group_of}
         outside: dict[str, set[str]] = {}
-        for src, reqs in sources.items():
+        extras: dict[str, set[str]] = {}  # extras asked of each package (vLLM: nvidia-cutlass-dsl[cu13])
+        for reqs in sources.values():
             for line in reqs:
                 r = Requirement(line)
-                if r.marker is not None and not r.marker.evaluate(env):
+                if r.extras and (r.marker is None or r.marker.evaluate(env)):
+                    extras.setdefault(_canon(r.name), set()).update(r.extras)
+        for n, (extra_spec, reason) in CONSTRAINTS.items():
+            spec[n] &= SpecifierSet(extra_spec)
+            why[n].append(f"zerodiff {extra_spec} ({reason})")
+        for src, reqs in sources.items():
+            asked = [""] + sorted(extras.get(src, ()))
+            for line in reqs:
+                r = Requirement(line)
+                if r.marker is not None and not any(r.marker.evaluate(dict(env, extra=e)) for e in asked):
                     continue
                 n = _canon(r.name)
                 if n in spec:
@@ -284,10 +306,15 @@ def resolve_lock(pins: dict[str, str], vllm_wheel: Path, cache: Path, max_rounds
 
     chosen: dict[str, tuple[str, Path, list[str]]] = {}
     for rnd in range(1, max_rounds + 1):
-        sources = {"vllm": vllm_requires, **{n: c[2] for n, c in chosen.items()}}
-        spec, why, outside = constraints(sources)
-        todo = [n for n in group_of
-                if n not in chosen or not spec[n].contains(Version(chosen[n][0]), prereleases=True)]
+        while True:  # a pick that a later constraint excludes is dropped with the constraints it brought
+            sources = {"vllm": vllm_requires, **{n: c[2] for n, c in chosen.items()}}
+            spec, why, outside = constraints(sources)
+            stale = [n for n in chosen if not spec[n].contains(Version(chosen[n][0]), prereleases=True)]
+            if not stale:
+                break
+            for n in stale:
+                del chosen[n]
+        todo = [n for n in group_of if n not in chosen]
         if not todo:
             break
         say(f"lock: round {rnd}: picking {len(todo)} package(s)")
@@ -557,7 +584,7 @@ def pack(tree: Path, out: Path, archive: str, part_bytes: int, threads: str = "0
 
 
 # ------------------------------------------------------------------------------------------------- build
-def build(out: Path, work: Path, part_mib: int, with_mhc: bool, offline: bool) -> int:
+def build(out: Path, work: Path, part_mib: int, with_dsv4: bool, offline: bool) -> int:
     pins = load_pins()
     lock = read_lock(pins)
     part_bytes = part_mib * MIB
@@ -567,7 +594,7 @@ def build(out: Path, work: Path, part_mib: int, with_mhc: bool, offline: bool) -
     plans = plan_series("vllm")  # refuses a series that touches anything but .py, before any work
     if work.exists():
         shutil.rmtree(work)
-    base_root, mhc_root = work / "base", work / "stock-mhc"
+    base_root, dsv4_root = work / "base", work / "dsv4"
     site = base_root / "site"
     site.mkdir(parents=True)
 
@@ -600,10 +627,10 @@ def build(out: Path, work: Path, part_mib: int, with_mhc: bool, offline: bool) -
     nz = add_zerodiff(site, base_root)
     say(f"  zerodiff: {nz} files from kernels/zerodiff; build/pins")
     sets = [("base", base_root, True, {"vllm": stats, "dependencies": base_deps, "zerodiff_files": nz})]
-    if with_mhc:
-        (mhc_root / "site").mkdir(parents=True)
-        mhc = add_group("stock-mhc", mhc_root / "site")
-        sets.append(("stock-mhc", mhc_root, False, {"dependencies": mhc}))
+    if with_dsv4:
+        (dsv4_root / "site").mkdir(parents=True)
+        dsv4 = add_group("dsv4", dsv4_root / "site")
+        sets.append(("dsv4", dsv4_root, False, {"dependencies": dsv4}))
 
     out.mkdir(parents=True, exist_ok=True)
     for old in out.iterdir():  # only what an earlier build wrote here
@@ -676,8 +703,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lock", action="store_true", help="resolve the dependency wheels and write the lock file")
-    ap.add_argument("--with-stock-mhc", action="store_true",
-                    help="also build the optional set with TileLang (stock vLLM's DeepSeek-V4 mHC)")
+    ap.add_argument("--with-dsv4", action="store_true",
+                    help="also build the optional set DeepSeek-V4 needs on CUDA (TileLang, CuTeDSL, QuACK)")
     ap.add_argument("--part-mib", type=int, default=DEFAULT_PART_MIB,
                     help=f"largest part in MiB (default {DEFAULT_PART_MIB}; a call carries at most 64 MiB)")
     ap.add_argument("--out", type=Path, default=REPO / ".carry" / "vllm-runtime", help="where parts + manifest go")
@@ -689,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--part-mib {a.part_mib}: must be 1..{CALL_LIMIT // MIB}")
     if a.lock:
         return main_wrapper(lambda: lock(offline))
-    return main_wrapper(lambda: build(a.out.resolve(), a.work.resolve(), a.part_mib, a.with_stock_mhc, offline))
+    return main_wrapper(lambda: build(a.out.resolve(), a.work.resolve(), a.part_mib, a.with_dsv4, offline))
 
 
 if __name__ == "__main__":

@@ -3,19 +3,19 @@
 #
 # usage: gpu/vllm-acceptance.sh [--stage-only] [--] [zerodiff vllm-check arguments...]
 #
-# The runtime (`make vllm-runtime STOCK_MHC=1`: .carry/vllm-runtime/, parts of at most 60 MiB) may arrive over
+# The runtime (`make vllm-runtime DSV4=1`: .carry/vllm-runtime/, parts of at most 60 MiB) may arrive over
 # several calls: every call stages the parts it carries in $ZD_STAGE (default /root/zd-parts, a folder that
 # outlives the call while the machine stays up) and, once all are there, unpacks them into $ZD_RUNTIME (default
 # /root/zd-rt). If .carry/vllm-overlay/ is present (`python3 build/vllm_overlay_files.py`), its patched vLLM
 # files are copied over the runtime, so the engine runs the series of this working tree even when the parts
 # were built from an earlier one. zerodiff itself is imported from this working tree (kernels/).
-# Extra wheels the runtime lacks (e.g. CuTeDSL, which vLLM's DeepSeek-V4 compressor imports on CUDA) may come in
+# Extra wheels the runtime lacks (e.g. a package tried before it goes into build/vllm-runtime.lock) may come in
 # .carry/extra-wheels/ (SHA256SUMS + wheels, a large wheel cut into NAME.partNN): staged in $ZD_EXTRA_STAGE
 # (default /root/zd-extra-parts) the same way, checked against SHA256SUMS, installed with pip --no-deps into
 # $ZD_EXTRA (default /root/zd-extra) once all are there, and put on PYTHONPATH.
 # Then, unless --stage-only or the runtime is incomplete, it runs `zerodiff vllm-check` with the arguments
 # given, writing vllm-acceptance.json, vllm-check.log and unpack.log into $OUT (default
-# results/vllm-<date>/). DeepGEMM's and Triton's caches live in /root/zd-cache so a later call on the same
+# results/vllm-<date>/). DeepGEMM's, Triton's and TileLang's caches live in /root/zd-cache so a later call on the same
 # machine starts warm. Exit: vllm-check's status (0 only when the acceptance passed); 0 after staging only.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -70,10 +70,17 @@ if [[ -f .carry/vllm-overlay/overlay.json ]]; then
     cp -r .carry/vllm-overlay/vllm "$DEST/site/"
     say "overlay: $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(len(d["files"]), "patched files of", len(d["patches"]), "patches, series", d["series_sha256"][:12])' .carry/vllm-overlay/overlay.json)"
 fi
-[[ -f "$EXTRA/.installed" ]] && export PYTHONPATH="$EXTRA:${PYTHONPATH:-}"
+if [[ -f "$EXTRA/.installed" ]]; then
+    # PYTHONPATH folders do not run .pth files (CuTeDSL puts its packages on sys.path through one):
+    # site.addsitedir runs them; whatever they add goes on PYTHONPATH too
+    extra_paths="$(python3 -c 'import site, sys; before = list(sys.path); site.addsitedir(sys.argv[1]); print(":".join(p for p in sys.path if p not in before))' "$EXTRA")"
+    export PYTHONPATH="${extra_paths:-$EXTRA}:${PYTHONPATH:-}"
+    say "extra wheels on PYTHONPATH: ${extra_paths:-$EXTRA}"
+fi
 export PYTHONPATH="$ROOT/kernels:${PYTHONPATH:-}"
-mkdir -p /root/zd-cache/deepgemm /root/zd-cache/triton
+mkdir -p /root/zd-cache/deepgemm /root/zd-cache/triton /root/zd-cache/tilelang
 export DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-/root/zd-cache/deepgemm}" TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/root/zd-cache/triton}"
+export TILELANG_CACHE_DIR="${TILELANG_CACHE_DIR:-/root/zd-cache/tilelang}"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$OUT/device.txt"
 python3 -c 'import torch, vllm, zerodiff; print("torch", torch.__version__, "vllm", vllm.__version__, "zerodiff", zerodiff.__file__)' 2>&1 | tee -a "$OUT/device.txt"

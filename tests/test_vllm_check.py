@@ -117,3 +117,21 @@ def test_bad_arguments_are_named(tmp_path, capsys):
     assert "bogus" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         vc.main(["--concurrency", "1,x"])
+
+
+def test_results_are_written_before_the_engine_is_stopped(tmp_path, monkeypatch):
+    """A run cut off while an engine shuts down (a killed job, a stuck teardown) keeps that engine's results."""
+    monkeypatch.delenv("FAKE_VLLM_LEAK", raising=False)
+    seen, real_stop = {}, vc.Worker.stop
+
+    def stuck_stop(self):
+        seen[self.name] = json.loads((tmp_path / "acc.json").read_text())
+        real_stop(self)
+        raise RuntimeError(f"{self.name}: teardown stuck")
+
+    monkeypatch.setattr(vc.Worker, "stop", stuck_stop)
+    rc, doc = _run(tmp_path, monkeypatch, "--sides", "consistent,stock")
+    assert rc == 1
+    assert seen["consistent"]["victim_mismatch"] == 0 and "prefill_decode_mismatch" in seen["consistent"]
+    assert seen["stock"]["stock_victim_mismatch"] > 0
+    assert "teardown stuck" in doc["errors"]["consistent"]

@@ -62,7 +62,7 @@ def packed(tmp_path):
     out = tmp_path / "carry"
     out.mkdir()
     sets = []
-    for name, required, noise in (("base", True, 300_000), ("stock-mhc", False, 50_000)):
+    for name, required, noise in (("base", True, 300_000), ("dsv4", False, 50_000)):
         root = tmp_path / f"tree-{name}"
         if name == "base":
             make_tree(root, noise, 1)
@@ -115,7 +115,7 @@ def test_unpack_round_trip_env_and_patch_report(packed):
     r = unpack("--no-import-check", str(out), str(dest))
     assert r.returncode == 0, r.stderr
     want = snapshot(tmp / "tree-base")
-    want.update(snapshot(tmp / "tree-stock-mhc"))
+    want.update(snapshot(tmp / "tree-dsv4"))
     got = snapshot(dest)
     for extra in ("env.sh", "manifest.json", ".vllm-runtime-build"):
         got.pop(extra)
@@ -128,7 +128,8 @@ def test_unpack_round_trip_env_and_patch_report(packed):
     assert "0001-x.patch: in the tree (1 file(s) as the series left them, zerodiff marker found)" in r.stdout
     r = subprocess.run(["bash", "-c", f". {dest}/env.sh && echo $PYTHONPATH"], text=True, capture_output=True,
                        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
-    assert r.stdout.strip() == f"{dest}/site"
+    # CuTeDSL's .pth-made path first (prepended after the site folder), then the site folder
+    assert r.stdout.strip() == f"{dest}/site/nvidia_cutlass_dsl/dsl_packages:{dest}/site"
     # again: the same runtime is recognised and left alone; an edited patched file is reported
     (dest / "site" / "vllm" / "patched.py").write_text("X = 2\n")
     r = unpack("--no-import-check", str(out), str(dest))
@@ -186,7 +187,7 @@ def test_staging_over_several_calls(packed):
         if i < len(calls) - 1:
             assert "STAGED, NOT COMPLETE: still missing" in r.stdout and names[i + 1] in r.stdout
             assert not dest.exists()
-    assert "unpacking set base" in r.stdout and "unpacking set stock-mhc" in r.stdout
+    assert "unpacking set base" in r.stdout and "unpacking set dsv4" in r.stdout
     assert (dest / "site" / "tilelang" / "__init__.py").exists()
     # a corrupt part arriving in a later call is refused by name and not staged
     call = tmp / "bad"
@@ -292,9 +293,13 @@ def test_the_real_lock_file_parses_and_covers_the_listed_dependencies():
     pins = load_pins()
     lock = vr.read_lock(pins)  # also: resolved for the pinned wheel, Python and platform
     assert {w.name for w in lock.group("base")} == {vr._canon(n) for n in vr.BASE_DEPS}
-    assert {w.name for w in lock.group("stock-mhc")} == {vr._canon(n) for n in vr.STOCK_MHC_DEPS}
+    assert {w.name for w in lock.group("dsv4")} == {vr._canon(n) for n in vr.DSV4_DEPS}
     by = {w.name: w for w in lock.wheels}
     assert by["tilelang"].version == "0.1.12"
+    # what vLLM 0.33.0 pins for DeepSeek-V4 on CUDA, and the CuTeDSL CUDA 13 libraries its [cu13] extra asks
+    assert by["nvidia-cutlass-dsl"].version == by["nvidia-cutlass-dsl-libs-cu13"].version == "4.8.0"
+    assert by["nvidia-cutlass-dsl-libs-base"].version == "4.8.0" and by["quack-kernels"].version == "0.6.5"
+    assert by["cuda-bindings"].version.startswith("13.0.")
     text = vr.lock_path().read_text()
     assert vr.format_lock(vr.parse_lock(text)) == text  # the writer and the parser agree
     for w in lock.wheels:  # every wheel is for CPython 3.12 (or abi3 / pure) on x86-64 Linux
@@ -490,3 +495,38 @@ def test_overlay_of_the_real_series_on_the_pinned_wheel(tmp_path):
         assert r.returncode == 0, r.stderr
     for f in files:
         assert (tmp_path / "site" / f).read_bytes() == orig[f], f
+
+
+def test_the_resolver_follows_extras_and_drops_picks_a_later_constraint_excludes(tmp_path, monkeypatch):
+    """vLLM asks ``a[x]==1.0``; a 1.0 needs b==1.0 and, under its extra x, c==1.0. Round 1 knows only vLLM's
+    constraint and picks the newest b and c (2.0; c 2.0 needs b==2.0). Round 2 must drop both picks with the
+    constraint c 2.0 brought, and settle on b 1.0, c 1.0; without the extra, c 1.0 would never be asked."""
+    import zipfile
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    index = {"a": {"1.0": ["b==1.0", 'c==1.0; extra == "x"']}, "b": {"1.0": [], "2.0": []},
+             "c": {"1.0": [], "2.0": ["b==2.0"]}}
+
+    def wheel(name, version, requires):
+        p = tmp_path / f"{name}-{version}-py3-none-any.whl"
+        meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        meta += "".join(f"Requires-Dist: {r}\n" for r in requires)
+        with zipfile.ZipFile(p, "w") as zf:
+            zf.writestr(f"{name}-{version}.dist-info/METADATA", meta + "\n")
+        return p
+
+    def fake_download(req, cache, **kw):
+        r = Requirement(req)
+        best = max((v for v in index[r.name] if r.specifier.contains(v)), key=Version)
+        return wheel(r.name, best, index[r.name][best])
+
+    vllm_whl = wheel("vllm", "0.33.0", ["a[x]==1.0"])
+    monkeypatch.setattr(vr, "GROUPS", {"base": ("a", "b", "c")})
+    monkeypatch.setattr(vr, "CONSTRAINTS", {})
+    monkeypatch.setattr(vr, "pip_download", fake_download)
+    pins = {"RUNTIME_PYTHON": "3.12", "RUNTIME_PLATFORM": "manylinux_2_31_x86_64", "VLLM_WHEEL": vllm_whl.name,
+            "VLLM_WHEEL_SHA256": "0" * 64}
+    lock = vr.resolve_lock(pins, vllm_whl, tmp_path)
+    assert {w.name: w.version for w in lock.wheels} == {"a": "1.0", "b": "1.0", "c": "1.0"}

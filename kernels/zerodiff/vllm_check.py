@@ -247,12 +247,10 @@ class VllmEngine:
             kc = getattr(cfg, "kernel_config", None)
             out["moe_backend"] = str(getattr(kc, "moe_backend", None))
             out["linear_backend"] = str(getattr(kc, "linear_backend", None))
-        try:
-            import vllm.envs as envs
-
-            out["use_v2_model_runner"] = bool(getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None))
-        except Exception:  # noqa: BLE001 - informational only
-            pass
+            try:  # the resolved choice (a property of the config: the environment, the model, the platform)
+                out["use_v2_model_runner"] = bool(cfg.use_v2_model_runner)
+            except Exception:  # noqa: BLE001 - informational only
+                pass
         return out
 
     def generate(self, requests: list[Request]) -> list[dict]:
@@ -451,7 +449,9 @@ def rescore_runs(worker: Worker, plan: dict, decode: dict, log=print) -> list[di
 
 
 def run_side(label: str, *, consistent: bool, eager: bool, checkpoint: str, plan: dict, args, names=None,
-             rescore: bool = True, factory=None, log=print) -> dict:
+             rescore: bool = True, factory=None, log=print, on_result=None) -> dict:
+    """Start one engine, run the victim plan (and the re-scoring) on it, stop it. ``on_result(res)`` is called
+    with the results before the engine is stopped, so a run cut off during shutdown keeps them."""
     kw = engine_kwargs(checkpoint, consistent=consistent, eager=eager, max_model_len=args.max_model_len,
                        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs)
     env = side_env(consistent, args.fp8_gemm_backend)
@@ -461,6 +461,8 @@ def run_side(label: str, *, consistent: bool, eager: bool, checkpoint: str, plan
         res = {"info": dict(w.info, env=env, engine_kwargs=kw), "alone": ref, "runs": runs}
         if rescore:
             res["rescored"] = rescore_runs(w, plan, ref, log=log)
+        if on_result is not None:
+            on_result(res)
         return res
     finally:
         w.stop()
@@ -587,10 +589,16 @@ def cmd_vllm_check(args) -> int:
             doc.setdefault("skipped", []).append(label)
             log(f"[{label}] skipped: time budget {args.time_budget} s spent")
             continue
+        def keep(res, label=label):
+            sides[label] = res
+            summarize(doc, sides)
+            doc["seconds"] = round(time.time() - t0, 1)
+            _write(args.json, doc)
+            log(f"[{label}] results written" + (f" to {args.json}" if args.json else ""))
+
         try:
-            sides[label] = run_side(label, consistent=consistent, eager=eager, checkpoint=checkpoint, plan=plan,
-                                    args=args, names=names, rescore=(label != "consistent_eager"),
-                                    factory=factory, log=log)
+            run_side(label, consistent=consistent, eager=eager, checkpoint=checkpoint, plan=plan, args=args,
+                     names=names, rescore=(label != "consistent_eager"), factory=factory, log=log, on_result=keep)
         except RuntimeError as e:
             doc.setdefault("errors", {})[label] = str(e)[-4000:]
             log(f"[{label}] FAILED: {str(e)[-2000:]}")
