@@ -1,4 +1,4 @@
-"""zerodiff end-to-end harness: the tiny DeepSeek-V4-shaped model (issue 6).
+"""zerodiff end-to-end harness: the tiny DeepSeek-V4-shaped model.
 
 Public API (see each module's docstring for the contracts)::
 
