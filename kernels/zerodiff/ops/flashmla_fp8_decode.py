@@ -485,9 +485,7 @@ def sparse_mla_attention_flashmla_fp8(q, cache, block_table, req_ids, positions,
     """FlashMLA's FP8 sparse decode kernel with a batch-independent schedule; see the module docstring.
     ``_q_copy`` (private; tests and the benchmark): hand the kernel a materialised copy of q per piece instead of
     the stride-0 broadcast (the same values, so the same bits)."""
-    from .sparse_attention import _check_fp8_read_args
-
-    _check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope, d_rope, "flashmla_fp8")
+    _kv.check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope, d_rope, "flashmla_fp8")
     if q.device.type != "cuda" and not _ALLOW_CPU:
         raise ValueError(f"zerodiff.sparse_attention[flashmla_fp8]: needs CUDA tensors, got {q.device}")
     if (d_nope, d_rope) != (512, 64):

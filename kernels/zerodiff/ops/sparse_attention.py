@@ -861,26 +861,6 @@ if HAVE_TRITON:
         tl.store(lse_ptr + r * lse_s0 + h, lse, mask=hm & (vb == 0))
 
 
-def _check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope, d_rope, what):
-    _kv._check_dims(d_nope, d_rope)
-    _kv._check_cache(cache, d_nope, d_rope)
-    D = d_nope + d_rope
-    if q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[2] != D:
-        raise ValueError(f"zerodiff.sparse_attention[{what}]: q must be bf16 [Q, H, {D}], got {q.dtype} {tuple(q.shape)}")
-    Q, H, _ = q.shape
-    if positions.dtype != torch.int32 or positions.dim() != 2 or positions.shape[0] != Q:
-        raise ValueError(f"zerodiff.sparse_attention[{what}]: positions must be int32 [{Q}, W], got {positions.dtype} {tuple(positions.shape)}")
-    if req_ids.dtype != torch.int32 or tuple(req_ids.shape) != (Q,):
-        raise ValueError(f"zerodiff.sparse_attention[{what}]: req_ids must be int32 [{Q}], got {req_ids.dtype} {tuple(req_ids.shape)}")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2:
-        raise ValueError(f"zerodiff.sparse_attention[{what}]: block_table must be int32 [B, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
-    if attn_sink is not None and (attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (H,)):
-        raise ValueError(f"zerodiff.sparse_attention[{what}]: attn_sink must be fp32 [{H}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
-    for name, t in (("q", q), ("cache", cache), ("block_table", block_table), ("req_ids", req_ids), ("positions", positions)):
-        if t.device != q.device:
-            raise ValueError(f"zerodiff.sparse_attention[{what}]: {name} is on {t.device}, q on {q.device}")
-
-
 def sparse_mla_attention_fp8_split(q, cache, block_table, req_ids, positions, sm_scale: float, *, attn_sink=None,
                                    d_nope: int = 512, d_rope: int = 64, seq_lens=None, check: bool = True,
                                    out=None, variant: str | None = None, _config=None):
@@ -893,7 +873,7 @@ def sparse_mla_attention_fp8_split(q, cache, block_table, req_ids, positions, sm
     if not triton_usable_for(q.device):
         raise ValueError(f"zerodiff.sparse_attention[triton_fp8_split]: cannot run on {q.device} here "
                          "(CPU tensors need TRITON_INTERPRET=1; CUDA tensors need it unset)")
-    _check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope, d_rope, "triton_fp8_split")
+    _kv.check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope, d_rope, "triton_fp8_split")
     Q, H, _ = q.shape
     if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (Q, H, d_nope) or out.stride(2) != 1):
         raise ValueError(f"zerodiff.sparse_attention[triton_fp8_split]: out must be bf16 [{Q}, {H}, {d_nope}] "
