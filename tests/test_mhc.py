@@ -6,6 +6,7 @@ CPU tests run the Triton kernels through the interpreter on small shapes (H = 25
 
 import pytest
 import torch
+from bitwise import assert_bitwise_equal
 
 from zerodiff import _triton as zt
 from zerodiff.ops import mhc
@@ -41,15 +42,6 @@ def _streams(g, T, H, device="cpu", adversarial=True):
     return r.to(torch.bfloat16).to(device)
 
 
-def _assert_rows_equal(a, b, msg):
-    assert a.dtype == b.dtype and a.shape == b.shape, msg
-    if a.dtype == torch.bfloat16:
-        a, b = a.view(torch.int16), b.view(torch.int16)
-    elif a.dtype == torch.float32:
-        a, b = a.view(torch.int32), b.view(torch.int32)
-    assert torch.equal(a, b), f"{msg}: {(a != b).sum().item()} of {a.numel()} values differ"
-
-
 # ----------------------------------------------------------------------------------- reference
 
 
@@ -80,7 +72,7 @@ def test_reference_gates_and_aggregation(seeded):
     for i in range(1, N_HC):
         manual = manual + pre[:, i : i + 1] * res[:, i].double()
     manual = manual.to(torch.bfloat16)
-    _assert_rows_equal(li, manual, "reference aggregation")
+    assert_bitwise_equal(li, manual, "reference aggregation")
     assert torch.equal(post32, post.float()) and torch.equal(comb32, comb.float())
     # scaling the streams by a power of two leaves the normalised mixes unchanged up to rms_eps (RMS norm)
     pre2, post2, comb2 = ref.mhc_mix_ref((res.double() * 4).bfloat16(), fn, scale, base)
@@ -156,10 +148,10 @@ def test_triton_post_bitwise(seeded):
     comb[4] = 1.0
     res[4, 0], res[4, 1], res[4, 2], res[4, 3] = 2.0**24, -(2.0**24), 1.0, 0.0
     out = mhc.mhc_post(lo, res, post, comb, backend="triton")
-    _assert_rows_equal(out, ref.mhc_post_ref(lo, res, post, comb, dtype=torch.float32), "post vs fp32 ref")
+    assert_bitwise_equal(out, ref.mhc_post_ref(lo, res, post, comb, dtype=torch.float32), "post vs fp32 ref")
     assert torch.all(out[4] == 1.0)
     # post may also come as [T, n, 1] (vLLM's shape)
-    _assert_rows_equal(mhc.mhc_post(lo, res, post.unsqueeze(-1), comb, backend="triton"), out, "post [T,n,1]")
+    assert_bitwise_equal(mhc.mhc_post(lo, res, post.unsqueeze(-1), comb, backend="triton"), out, "post [T,n,1]")
     # negative control: the same fp32 terms added in another order (streams reversed, post term last)
     acc = comb[:, N_HC - 1, :].unsqueeze(-1) * res[:, N_HC - 1 : N_HC].float()
     for i in range(N_HC - 2, -1, -1):
@@ -185,14 +177,14 @@ def test_triton_pre_victim_in_batch(seeded):
             batch[pos] = victim[0]
             out = mhc.mhc_pre(batch, fn, scale, base, **kw)
             for name, a, b in zip(("layer_input", "post", "comb"), out, alone):
-                _assert_rows_equal(a[pos], b[0], f"{name}: victim at {pos} of T={T}, round {rnd}")
+                assert_bitwise_equal(a[pos], b[0], f"{name}: victim at {pos} of T={T}, round {rnd}")
             mix, sq = mhc.prenorm_gemm(batch, fn)
-            _assert_rows_equal(mix[0, pos], mix_alone[0, 0], f"projection at {pos} of T={T}")
-            _assert_rows_equal(sq[0, pos], sq_alone[0, 0], f"sqrsum at {pos} of T={T}")
+            assert_bitwise_equal(mix[0, pos], mix_alone[0, 0], f"projection at {pos} of T={T}")
+            assert_bitwise_equal(sq[0, pos], sq_alone[0, 0], f"sqrsum at {pos} of T={T}")
             # a fixed split count other than 1 (benchmark variant) is batch-invariant too
             mix4, sq4 = mhc.prenorm_gemm(batch, fn, splits=4)
-            _assert_rows_equal(mix4[:, pos], mix4_alone[:, 0], f"4-split projection at {pos} of T={T}")
-            _assert_rows_equal(sq4[:, pos], sq4_alone[:, 0], f"4-split sqrsum at {pos} of T={T}")
+            assert_bitwise_equal(mix4[:, pos], mix4_alone[:, 0], f"4-split projection at {pos} of T={T}")
+            assert_bitwise_equal(sq4[:, pos], sq4_alone[:, 0], f"4-split sqrsum at {pos} of T={T}")
 
 
 @needs_triton
@@ -211,7 +203,7 @@ def test_triton_post_victim_in_batch(seeded):
         comb = torch.rand(T, N_HC, N_HC, generator=g)
         res[pos], lo[pos], post[pos], comb[pos] = res_v[0], lo_v[0], post_v[0], comb_v[0]
         out = mhc.mhc_post(lo, res, post, comb, backend="triton")
-        _assert_rows_equal(out[pos], alone[0], f"post victim at {pos} of T={T}")
+        assert_bitwise_equal(out[pos], alone[0], f"post victim at {pos} of T={T}")
 
 
 @needs_triton
@@ -291,7 +283,7 @@ def test_triton_hc_head_matches_reference_and_victim(seeded):
     for T, pos in ((5, 4), (17, 16), (17, 3)):
         batch = _streams(g, T, H)
         batch[pos] = res[2]
-        _assert_rows_equal(mhc.hc_head(batch, fn, scale, base, backend="triton")[pos], alone[0],
+        assert_bitwise_equal(mhc.hc_head(batch, fn, scale, base, backend="triton")[pos], alone[0],
                            f"hc_head victim at {pos} of T={T}")
 
 
@@ -392,16 +384,16 @@ def test_triton_variant_victim_in_batch(seeded, name):
         batch[pos] = victim[0]
         out, mix, sq = _variant_run(name, batch, fn, scale, base)
         for nm_, a, b in zip(("layer_input", "post", "comb"), out, alone):
-            _assert_rows_equal(a[pos], b[0], f"{name} {nm_}: victim at {pos} of T={T}")
-        _assert_rows_equal(mix[:, pos], mix_a[:, 0], f"{name} partials at {pos} of T={T}")
+            assert_bitwise_equal(a[pos], b[0], f"{name} {nm_}: victim at {pos} of T={T}")
+        assert_bitwise_equal(mix[:, pos], mix_a[:, 0], f"{name} partials at {pos} of T={T}")
     # ... and the split-K partials (the only stage that tiles rows) across row-block boundaries, 2 rounds
     for rnd in range(2):
         for T, pos in ((17, 16 * rnd), (65, 64 - 33 * rnd)):  # 65: two row blocks of 64 (ieee: 5 of 16)
             batch = _streams(g, T, H)
             batch[pos] = victim[0]
             mix, sq = mhc.prenorm_gemm_splitk(batch, fn, _tv(name))
-            _assert_rows_equal(mix[:, pos], mix_a[:, 0], f"{name} partials at {pos} of T={T}, round {rnd}")
-            _assert_rows_equal(sq[:, pos], sq_a[:, 0], f"{name} sqrsum partials at {pos} of T={T}, round {rnd}")
+            assert_bitwise_equal(mix[:, pos], mix_a[:, 0], f"{name} partials at {pos} of T={T}, round {rnd}")
+            assert_bitwise_equal(sq[:, pos], sq_a[:, 0], f"{name} sqrsum partials at {pos} of T={T}, round {rnd}")
 
 
 @needs_triton
@@ -435,7 +427,7 @@ def test_triton_variant_ragged_k_and_small_hc(seeded):
     assert torch.allclose(mix.double().sum(0), x @ fn.double().t(), rtol=1e-5, atol=1e-5)
     assert torch.allclose(sq.double().sum(0), (x * x).sum(-1), rtol=1e-6)
     mix1, _ = mhc.prenorm_gemm_splitk(res[2:3].contiguous(), fn, _tv("bf16x3_s16"))
-    _assert_rows_equal(mix[:, 2], mix1[:, 0], "ragged-K partials: victim at 2 of T=4")
+    assert_bitwise_equal(mix[:, 2], mix1[:, 0], "ragged-K partials: victim at 2 of T=4")
     n2 = 2
     res2 = res[:, :n2].contiguous()
     fn2 = fn[: ref.n_mix(n2), : n2 * H].contiguous()
@@ -457,7 +449,7 @@ def test_triton_split_epilogue_matches_verified_epilogue_for_one_split(seeded):
     a = mhc.pre_epilogue(mix, sq, res, scale, base, **PRE_KW)
     b = mhc.pre_epilogue_splits(mix, sq, res, scale, base, **PRE_KW)
     for nm_, x, y in zip(("layer_input", "post", "comb"), a, b):
-        _assert_rows_equal(x, y, f"one-split epilogues: {nm_}")
+        assert_bitwise_equal(x, y, f"one-split epilogues: {nm_}")
     mix4, sq4 = mhc.prenorm_gemm(res, fn, splits=4)
     c = mhc.pre_epilogue(mix4, sq4, res, scale, base, **PRE_KW)
     d = mhc.pre_epilogue_splits(mix4, sq4, res, scale, base, **PRE_KW)
@@ -479,15 +471,15 @@ def test_triton_hc_head_variant_victim(seeded, name):
     for T, pos in ((5, 4),):
         batch = _streams(g, T, H)
         batch[pos] = res[2]
-        _assert_rows_equal(mhc.hc_head(batch, fn, scale, base, backend="triton", variant=name)[pos], alone[0],
+        assert_bitwise_equal(mhc.hc_head(batch, fn, scale, base, backend="triton", variant=name)[pos], alone[0],
                            f"hc_head {name}: victim at {pos} of T={T}")
     for T, pos in ((17, 0), (65, 64)):  # the projection partials across the row-block boundary
         batch = _streams(g, T, H)
         batch[pos] = res[2]
         mix, sq = mhc.prenorm_gemm_splitk(batch, fn, name)
         mix_a, sq_a = mhc.prenorm_gemm_splitk(res[2:3].contiguous(), fn, name)
-        _assert_rows_equal(mix[:, pos], mix_a[:, 0], f"hc_head {name}: partials at {pos} of T={T}")
-        _assert_rows_equal(sq[:, pos], sq_a[:, 0], f"hc_head {name}: sqrsum at {pos} of T={T}")
+        assert_bitwise_equal(mix[:, pos], mix_a[:, 0], f"hc_head {name}: partials at {pos} of T={T}")
+        assert_bitwise_equal(sq[:, pos], sq_a[:, 0], f"hc_head {name}: sqrsum at {pos} of T={T}")
 
 
 # ----------------------------------------------------------------------------------- bad input
@@ -553,7 +545,7 @@ def test_gpu_pre_victim_in_batch(H):
             out = mhc.mhc_pre(batch, fn, scale, base)
             for pos in sorted({0, T // 2, T - 1}):
                 for name, a, b in zip(("layer_input", "post", "comb"), out, alone):
-                    _assert_rows_equal(a[pos], b[0], f"H={H} {name}: victim at {pos} of T={T}, round {rnd}")
+                    assert_bitwise_equal(a[pos], b[0], f"H={H} {name}: victim at {pos} of T={T}, round {rnd}")
 
 
 @pytest.mark.gpu
@@ -630,10 +622,10 @@ def test_gpu_post_bitwise_and_victim(H):
         post = (torch.rand(T, N_HC, generator=g) * 2).cuda()
         comb = ref.sinkhorn_ref(torch.randn(T, N_HC, N_HC, generator=g), 20, 1e-6).float().cuda()
         out = mhc.mhc_post(lo, res, post, comb)
-        _assert_rows_equal(out, ref.mhc_post_ref(lo, res, post, comb, dtype=torch.float32),
+        assert_bitwise_equal(out, ref.mhc_post_ref(lo, res, post, comb, dtype=torch.float32),
                            f"post vs fp32 ref, T={T}")
         alone = mhc.mhc_post(lo[-1:], res[-1:], post[-1:], comb[-1:])
-        _assert_rows_equal(out[-1:], alone, f"post victim at {T - 1} of T={T}")
+        assert_bitwise_equal(out[-1:], alone, f"post victim at {T - 1} of T={T}")
 
 
 @pytest.mark.gpu
@@ -655,7 +647,7 @@ def test_gpu_benchmark_variants_are_batch_invariant(splits, precision):
         batch[T - 1] = victim[0]
         out = run(batch)
         for name, a, b in zip(("layer_input", "post", "comb"), out, alone):
-            _assert_rows_equal(a[T - 1], b[0], f"{splits}-split/{precision} {name}: victim last of T={T}")
+            assert_bitwise_equal(a[T - 1], b[0], f"{splits}-split/{precision} {name}: victim last of T={T}")
 
 
 @pytest.mark.gpu
@@ -672,7 +664,7 @@ def test_gpu_hc_head_victim_and_control(H):
             batch = _streams(g, T, H, "cuda")
             pos = (7 * rnd + T // 3) % T
             batch[pos] = victim[0]
-            _assert_rows_equal(mhc.hc_head(batch, fn, scale, base)[pos], alone[0],
+            assert_bitwise_equal(mhc.hc_head(batch, fn, scale, base)[pos], alone[0],
                                f"hc_head H={H}: victim at {pos} of T={T}, round {rnd}")
     # negative control: a torch fp32 eager projection (what a training-side port would compute)
     # gives the same token different mixing logits than our kernel
@@ -706,7 +698,7 @@ def test_gpu_cuda_graph_replay_equals_eager():
         torch.cuda.synchronize()
         for name, a, b in zip(("layer_input", "post", "comb", "new_streams"),
                               (*out, out_post), (*eager, eager_post)):
-            _assert_rows_equal(a, b, f"graph replay {rnd}: {name}")
+            assert_bitwise_equal(a, b, f"graph replay {rnd}: {name}")
 
 
 # ------------------------------------------------------------- GPU: split-K variants (opt-in)
@@ -745,7 +737,7 @@ def test_gpu_variant_victim_in_batch_accuracy_and_control(name):
             out = mhc.mhc_pre(batch, fn, scale, base, variant=name)
             for pos in positions:
                 for nm_, a, b in zip(("layer_input", "post", "comb"), out, alone):
-                    _assert_rows_equal(a[pos], b[0], f"{name} {nm_}: victim at {pos} of T={T}, round {rnd}")
+                    assert_bitwise_equal(a[pos], b[0], f"{name} {nm_}: victim at {pos} of T={T}, round {rnd}")
     # accuracy (tf32 rounds the weights to 10 mantissa bits; the others keep fp32-class products)
     res = _streams(g, 64, H, "cuda", adversarial=False)
     err, sq_err = _projection_error(res, fn, name)
@@ -771,7 +763,7 @@ def test_gpu_variant_victim_in_batch_accuracy_and_control(name):
     assert n_diff > 0, "negative control failed: the stock split gave the same bits at T=1 and T=1000"
     ours = mhc.mhc_pre(big, fn, scale, base, variant=name)
     for nm_, x, y in zip(("layer_input", "post", "comb"), ours, alone):
-        _assert_rows_equal(x[500], y[0], f"{name} {nm_}: victim at 500 of T=1000 (control inputs)")
+        assert_bitwise_equal(x[500], y[0], f"{name} {nm_}: victim at 500 of T=1000 (control inputs)")
 
 
 @pytest.mark.gpu
@@ -788,7 +780,7 @@ def test_gpu_hc_head_variant_victim(name):
             batch = _streams(g, T, H, "cuda")
             pos = (7 * rnd + T // 3) % T
             batch[pos] = victim[0]
-            _assert_rows_equal(mhc.hc_head(batch, fn, scale, base, variant=name)[pos], alone[0],
+            assert_bitwise_equal(mhc.hc_head(batch, fn, scale, base, variant=name)[pos], alone[0],
                                f"hc_head {name}: victim at {pos} of T={T}, round {rnd}")
     # negative control: a torch fp32 eager projection (cuBLAS) gives other mixing logits than the variant
     batch = _streams(g, 64, H, "cuda")
@@ -817,4 +809,4 @@ def test_gpu_variant_cuda_graph_replay_equals_eager(name):
         graph.replay()
         torch.cuda.synchronize()
         for nm_, a, b in zip(("layer_input", "post", "comb"), out, eager):
-            _assert_rows_equal(a, b, f"{name} graph replay {rnd}: {nm_}")
+            assert_bitwise_equal(a, b, f"{name} graph replay {rnd}: {nm_}")

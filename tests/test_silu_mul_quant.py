@@ -4,6 +4,7 @@ negative controls, bad inputs; and the same claims on the GPU (``gpu`` marker)."
 
 import pytest
 import torch
+from bitwise import bits
 
 from zerodiff import _triton as zt
 from zerodiff.ops.silu_mul_quant import silu_mul, silu_mul_quant_fp8, silu_mul_quant_fp8_masked
@@ -21,22 +22,16 @@ needs_triton = pytest.mark.skipif(not zt.HAVE_TRITON, reason="triton not install
 CPU_TRITON = zt.HAVE_TRITON and zt.INTERPRET
 
 
-def _bits(t):
-    if t.dtype == torch.float8_e4m3fn:
-        return t.view(torch.uint8)
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16)
-    return t.view(torch.int32)
 
 
 def beq(a, b):
-    return a.shape == b.shape and torch.equal(_bits(a.cpu()), _bits(b.cpu()))
+    return a.shape == b.shape and torch.equal(bits(a.cpu()), bits(b.cpu()))
 
 
 def _ulp_close(a, b):
     """Elementwise: at most 1 bf16 ulp apart, or at most 1e-36 apart in absolute value (for gates below
     about -88.7 the FP32 ``exp(-g)`` overflows and the kernel returns -0 where the true value is < 1e-36)."""
-    d = (_bits(a).int() - _bits(b).int()).abs()
+    d = (bits(a).int() - bits(b).int()).abs()
     return (d <= 1) | ((a.float() - b.float()).abs() <= 1e-36)
 
 
@@ -129,7 +124,7 @@ def test_reference_one_rounding_and_mirror(seeded):
     mirror = silu_mul_fp32_mirror(x, exp=lambda a: torch.exp(torch.from_numpy(a)).numpy())
     # FP32 op sequence vs float64 math: at most 1 bf16 ulp apart, and almost always equal
     assert bool(_ulp_close(mirror, ref).all())
-    assert (_bits(ref) != _bits(mirror)).float().mean() < 0.01
+    assert (bits(ref) != bits(mirror)).float().mean() < 0.01
     # FP8 reference = deployment rule applied to the one-rounding BF16 values
     q, s = silu_mul_quant_fp8_ref(x)
     q2, s2 = quant_per_token_group_ref(ref)
@@ -151,11 +146,11 @@ def test_negative_control_two_roundings_differ(seeded):
     x = _rand(seeded(), (64, 1024))
     one = silu_mul_ref(x)
     two = silu_mul_two_roundings(x)
-    frac = (_bits(one) != _bits(two)).float().mean().item()
+    frac = (bits(one) != bits(two)).float().mean().item()
     assert frac > 0.05, frac
     q1, _ = quant_per_token_group_ref(one)
     q2, _ = quant_per_token_group_ref(two)
-    assert (_bits(q1) != _bits(q2)).float().mean().item() > 0.001
+    assert (bits(q1) != bits(q2)).float().mean().item() > 0.001
 
 
 def test_reference_masked_matches_contiguous(seeded):
@@ -170,7 +165,7 @@ def test_reference_masked_matches_contiguous(seeded):
             if c < counts[e]:
                 assert beq(q[e, c], qc[e, c]) and beq(s[e, c], sc[e, c])
             else:
-                assert not _bits(q[e, c]).any() and not s[e, c].any()
+                assert not bits(q[e, c]).any() and not s[e, c].any()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -251,7 +246,7 @@ def test_interpreter_masked_equals_contiguous(seeded):
         for e in range(E):
             n = max(0, min(counts[e], C))
             assert beq(q[e, :n], qc[e, :n]) and beq(s[e, :n], sc[e, :n])
-            assert not _bits(q[e, n:]).any() and not s[e, n:].any()
+            assert not bits(q[e, n:]).any() and not s[e, n:].any()
 
 
 @cpu_triton
@@ -262,7 +257,7 @@ def test_interpreter_masked_rows_not_read(seeded):
     x[:, 2:] = float("nan")
     cnt = torch.tensor([2, 1], dtype=torch.int32)
     q, s = silu_mul_quant_fp8_masked(x, cnt, backend="triton")
-    assert not torch.isnan(s).any() and not _bits(q[:, 2:]).any()
+    assert not torch.isnan(s).any() and not bits(q[:, 2:]).any()
     qr, sr = silu_mul_quant_fp8_masked_ref(torch.nan_to_num(x), cnt, silu=lambda t, lim: silu_mul_fp32_mirror(t, lim))
     assert beq(q, qr) and beq(s, sr)
 
@@ -290,10 +285,10 @@ def test_interpreter_negative_control(seeded):
     x = _rand(seeded(), (8, 512))
     h = silu_mul(x, backend="triton")
     stock = silu_mul_two_roundings(x)
-    assert (_bits(h) != _bits(stock)).float().mean().item() > 0.05
+    assert (bits(h) != bits(stock)).float().mean().item() > 0.05
     q, _ = silu_mul_quant_fp8(x, backend="triton")
     qs, _ = quant_per_token_group_ref(stock)
-    assert (_bits(q) != _bits(qs)).any()
+    assert (bits(q) != bits(qs)).any()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -352,7 +347,7 @@ def test_gpu_fp8_rule_and_tolerance(seeded, ue8m0):
         ref = silu_mul_ref(x.cpu(), clamp)
         ok = _ulp_close(h.cpu(), ref)
         frac = 1.0 - ok.float().mean().item()
-        mism = (_bits(h.cpu()) != _bits(ref)).float().mean().item()
+        mism = (bits(h.cpu()) != bits(ref)).float().mean().item()
         print(f"silu_mul vs float64 ref: {mism:.5%} differ (all within 1 ulp: {frac == 0})")
         assert frac == 0.0
         assert mism < 0.02
@@ -393,7 +388,7 @@ def test_gpu_masked_equals_contiguous(seeded):
                 n = max(0, min(counts[e], C))
                 qc, sc = silu_mul_quant_fp8(x[e, :n].contiguous(), clamp_limit=10.0)
                 assert beq(q[e, :n], qc) and beq(s[e, :n], sc), (counts, e)
-                assert not _bits(q[e, n:]).any() and not s[e, n:].any()
+                assert not bits(q[e, n:]).any() and not s[e, n:].any()
         # whole-batch contiguous run over all E*C rows gives the same valid rows
         qa, sa = silu_mul_quant_fp8(x.reshape(E * C, 2 * N), clamp_limit=10.0)
         qa, sa = qa.reshape(E, C, N), sa.reshape(E, C, N // 128)
@@ -409,10 +404,10 @@ def test_gpu_negative_control(seeded):
     x = _rand(seeded(), (4096, 2 * 2048)).cuda()
     h = silu_mul(x)
     stock = silu_mul_two_roundings(x)
-    frac = (_bits(h) != _bits(stock)).float().mean().item()
+    frac = (bits(h) != bits(stock)).float().mean().item()
     q, _ = silu_mul_quant_fp8(x)
     qs, _ = quant_per_token_group_ref(stock)
-    fq = (_bits(q) != _bits(qs)).float().mean().item()
+    fq = (bits(q) != bits(qs)).float().mean().item()
     print(f"two-roundings control: {frac:.3%} of bf16 values, {fq:.3%} of fp8 codes differ")
     assert frac > 0.05 and fq > 0.001
 

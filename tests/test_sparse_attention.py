@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from bitwise import bits
 
 from zerodiff.ops import kv_cache as kc
 from zerodiff.ops import sparse_attention as sa
@@ -13,12 +14,10 @@ from zerodiff.reference.sparse_attention import sparse_attention_ref
 SMALL = dict(d_nope=128, d_rope=16)
 
 
-def _bits(t):
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
 
 
 def _same(a, b):
-    return torch.equal(_bits(a[0]), _bits(b[0])) and torch.equal(_bits(a[1]), _bits(b[1]))
+    return torch.equal(bits(a[0]), bits(b[0])) and torch.equal(bits(a[1]), bits(b[1]))
 
 
 def _causal_positions(g, L, W, *, start=0):
@@ -178,7 +177,7 @@ def test_fused_fp8_read_equals_workspace_path(seeded):
     assert bool(o[0].isnan().all()) and not bool(o[1].isnan().any())
 
 
-def test_negative_control_reversed_index_order_changes_bits(seeded):
+def test_negative_control_reversed_index_order_changesbits(seeded):
     g = seeded()
     Q, H, S, K = 4, 4, 200, 96
     q = (torch.randn(Q, H, 144, generator=g) * 2).to(torch.bfloat16)
@@ -186,7 +185,7 @@ def test_negative_control_reversed_index_order_changes_bits(seeded):
     idx = torch.stack([torch.randperm(S, generator=g)[:K] for _ in range(Q)]).to(torch.int32)
     a = sa.sparse_attention(q, kv, idx, 0.2, d_v=128, backend="triton")
     b = sa.sparse_attention(q, kv, idx.flip(-1), 0.2, d_v=128, backend="triton")
-    assert not torch.equal(_bits(a[0]), _bits(b[0])), "reversing the index order must change the bits"
+    assert not torch.equal(bits(a[0]), bits(b[0])), "reversing the index order must change the bits"
     assert torch.allclose(a[0].float(), b[0].float(), atol=2e-2, rtol=2e-2)  # ...but only by rounding
 
 
@@ -262,7 +261,7 @@ def test_split_matches_reference_chunk_boundaries(seeded, with_sink):
     assert torch.equal(fin, torch.isfinite(l))
     assert torch.allclose(l.double()[fin], rl[fin], atol=1e-4, rtol=1e-5)
     assert bool((o[2] == 0).all()) and bool((l[2] == float("inf")).all())
-    assert torch.equal(_bits(o[3, 2]), _bits(o[3, 3])) and torch.equal(l[3, 2], l[3, 3])  # tied heads
+    assert torch.equal(bits(o[3, 2]), bits(o[3, 3])) and torch.equal(l[3, 2], l[3, 3])  # tied heads
 
 
 def test_split_victim_in_batch_and_decode_equals_prefill(seeded):
@@ -282,13 +281,13 @@ def test_split_victim_in_batch_and_decode_equals_prefill(seeded):
                 f = fillers[: B - 1]
                 rows = torch.cat([f[:where], torch.tensor([victim]), f[where:]])
                 o, l = sa.sparse_mla_attention(q[rows], cache, bt, req[rows], pos[rows], 0.2, **SPLIT)
-                assert torch.equal(_bits(o[where]), _bits(alone[0][0])), (rnd, B, where)
-                assert torch.equal(_bits(l[where]), _bits(alone[1][0])), (rnd, B, where)
+                assert torch.equal(bits(o[where]), bits(alone[0][0])), (rnd, B, where)
+                assert torch.equal(bits(l[where]), bits(alone[1][0])), (rnd, B, where)
         pre = sa.sparse_mla_attention(q[60:70], cache, bt, req[60:70], pos[60:70], 0.2, **SPLIT)  # prefill chunk
         assert _same((pre[0][9:10], pre[1][9:10]), alone)
 
 
-def test_split_negative_control_batch_dependent_split_changes_bits(seeded):
+def test_split_negative_control_batch_dependent_split_changesbits(seeded):
     """The invariance above is not vacuous: a split whose chunk size a batch heuristic would pick (e.g. one
     chunk per row at large batches, or 16-entry chunks at small ones) gives different bits on the same rows;
     and so does reversing the index order. Both agree to rounding."""
@@ -300,10 +299,10 @@ def test_split_negative_control_batch_dependent_split_changes_bits(seeded):
     for chunk in (16, 128):
         cfg = dict(sa.split_config(128, 16), CHUNK=chunk)
         other = sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, 0.3, **SMALL, _config=cfg)
-        assert not torch.equal(_bits(ours[0]), _bits(other[0])), f"CHUNK={chunk} gave the same bits: control proves nothing"
+        assert not torch.equal(bits(ours[0]), bits(other[0])), f"CHUNK={chunk} gave the same bits: control proves nothing"
         assert torch.allclose(ours[0].float(), other[0].float(), atol=2e-2, rtol=2e-2)
     rev = sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos.flip(-1).contiguous(), 0.3, **SMALL)
-    assert not torch.equal(_bits(ours[0]), _bits(rev[0]))
+    assert not torch.equal(bits(ours[0]), bits(rev[0]))
 
 
 def test_split_bad_inputs(seeded):
@@ -330,7 +329,7 @@ def test_split_bad_inputs(seeded):
         sa.sparse_mla_attention_fp8_split(q2, cache, bt, r2, pos[:2], 0.1, d_nope=96, d_rope=16)
 
 
-def test_split_row_blocking_does_not_change_bits(seeded, monkeypatch):
+def test_split_row_blocking_does_not_changebits(seeded, monkeypatch):
     """Rows are launched SPLIT_MAX_ROWS at a time (memory bound for the partials): the blocking is invisible."""
     g = seeded()
     cache, bt, pos, req, q = _split_inputs(g, lens=(40, 30), W=40, H=4, adversarial=False)
@@ -425,12 +424,12 @@ def test_split_other_tile_variants_reference_victim_prefill_and_control(seeded, 
     for where in (0, 4):
         rows = torch.cat([fillers[:where], torch.tensor([victim]), fillers[where:]])
         o, l = sa.sparse_mla_attention(q[rows], cache, bt, req[rows], pos[rows], 0.2, **kw)
-        assert torch.equal(_bits(o[where]), _bits(alone[0][0])) and torch.equal(_bits(l[where]), _bits(alone[1][0]))
+        assert torch.equal(bits(o[where]), bits(alone[0][0])) and torch.equal(bits(l[where]), bits(alone[1][0]))
     pre = sa.sparse_mla_attention(q[66:70], cache, bt, req[66:70], pos[66:70], 0.2, **kw)
     assert _same((pre[0][3:4], pre[1][3:4]), alone)
     default = sa.sparse_mla_attention(q[victim:victim + 1], cache, bt, req[victim:victim + 1], pos[victim:victim + 1],
                                       0.2, attn_sink=sink, **SPLIT)
-    assert not torch.equal(_bits(default[0]), _bits(alone[0])), f"{variant} gave the default's bits: control is void"
+    assert not torch.equal(bits(default[0]), bits(alone[0])), f"{variant} gave the default's bits: control is void"
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -686,7 +685,7 @@ def test_gpu_split_prefill_rows_equal_decode_rows_repeated():
 # ---------------------------------------------------------------------- GPU: split-kernel variants (one pass)
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [v for v in sa.SPLIT_VARIANTS if v != "default"])
-def test_gpu_split_variant_invariance_and_bits(variant):
+def test_gpu_split_variant_invariance_andbits(variant):
     """Each split variant on the compiled kernels: close to the float64 reference; victim alone == in batches at
     the dispatch boundaries (front / middle / end); prefill rows == decode rows == a shuffled batch; CUDA graph
     replay == eager (10 rounds); for SPLIT_SAME_BITS_AS_DEFAULT variants, bitwise equal to "default" on every row

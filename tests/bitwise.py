@@ -1,0 +1,70 @@
+"""The shared kit for bitwise claims in the tests.
+
+* :func:`bits` - an integer view of a tensor's bit patterns (float8 -> uint8, bf16/fp16 -> int16, fp32 -> int32,
+  fp64 -> int64; integer tensors as they are), so ``torch.equal`` compares bits: ``-0.0 != +0.0`` and NaN
+  payloads count, which value comparison would hide.
+* :func:`assert_bitwise_equal` - equal bits and shape, else an AssertionError naming how many values differ,
+  the first differing coordinate and both values there.
+* :func:`assert_victim_in_batch` - a row computed alone equals the same row computed inside every batch given.
+* :func:`assert_batch_dependent` - the negative control: at least one batch changes the victim's bits (a test
+  whose control never differs proves nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+_INT_VIEW = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8, torch.bfloat16: torch.int16,
+             torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of ``t`` as an integer tensor of the same shape."""
+    view = _INT_VIEW.get(t.dtype)
+    return t.view(view) if view is not None else t
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    """'' when the bits agree, else 'N of M values differ; first at (i, j, ...): a=... b=...'."""
+    ba, bb = bits(a), bits(b)
+    if torch.equal(ba, bb):
+        return ""
+    diff = (ba != bb)
+    where = tuple(int(i) for i in diff.nonzero()[0].tolist())
+    return (f"{int(diff.sum())} of {a.numel()} values differ; first at {where}: "
+            f"{a[where].item()!r} vs {b[where].item()!r}")
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> None:
+    """``a`` and ``b`` have the same dtype, shape and bits."""
+    prefix = f"{msg}: " if msg else ""
+    assert a.dtype == b.dtype, f"{prefix}dtype {a.dtype} vs {b.dtype}"
+    assert a.shape == b.shape, f"{prefix}shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    why = first_difference(a, b)
+    assert not why, prefix + why
+
+
+def assert_victim_in_batch(alone: torch.Tensor, in_batch: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """``alone`` (the victim's output computed by itself) equals every ``(label, output)`` computed inside a batch."""
+    n = 0
+    for label, out in in_batch:
+        assert_bitwise_equal(out, alone, f"victim {label}")
+        n += 1
+    assert n > 0, "no batch given: the claim was not tested"
+
+
+def assert_batch_dependent(alone: torch.Tensor, in_batch: Iterable[tuple[str, torch.Tensor]],
+                           what: str = "stock path") -> list[str]:
+    """The negative control: some batch changes the victim's bits. Returns the labels that differ."""
+    differ = [label for label, out in in_batch if first_difference(out, alone)]
+    assert differ, f"{what}: the victim's bits never changed with the batch; this control proves nothing"
+    return differ
+
+
+def victim_runs(run: Callable[[torch.Tensor], torch.Tensor], victim: torch.Tensor,
+                batches: Iterable[tuple[torch.Tensor, int]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """For each ``(batch, pos)`` (the victim's row already placed at ``pos``), ``(label, run(batch)[pos])``."""
+    for batch, pos in batches:
+        yield f"at {pos} of {batch.shape[0]}", run(batch)[pos:pos + 1]

@@ -1,0 +1,55 @@
+"""The bitwise test kit itself: it must see -0.0 vs +0.0, one-ulp differences and name the coordinate."""
+
+import pytest
+import torch
+
+from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch, bits, victim_runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.float8_e4m3fn])
+def test_signed_zero_and_one_ulp_are_differences(dtype):
+    a = torch.tensor([1.0, 0.0, 2.0, 3.0]).to(dtype)
+    b = a.clone()
+    b[1] = -0.0
+    assert torch.equal(a.float(), b.float())  # value comparison hides it
+    with pytest.raises(AssertionError, match=r"1 of 4 values differ; first at \(1,\)"):
+        assert_bitwise_equal(a, b, "zeros")
+    c = a.clone()
+    c[3] = torch.nextafter(a[3].double(), torch.tensor(9.0, dtype=torch.float64)).to(dtype) \
+        if dtype == torch.float64 else (bits(a)[3:] + 1).view(dtype)[0]
+    with pytest.raises(AssertionError, match=r"first at \(3,\)"):
+        assert_bitwise_equal(a, c)
+    assert_bitwise_equal(a, a.clone())
+
+
+def test_shape_and_dtype_are_checked():
+    with pytest.raises(AssertionError, match="dtype"):
+        assert_bitwise_equal(torch.zeros(2), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(AssertionError, match="shape"):
+        assert_bitwise_equal(torch.zeros(2), torch.zeros(1, 2))
+
+
+def test_victim_helpers():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 8, generator=g)
+    victim = torch.randn(1, 64, generator=g)
+
+    def batches():
+        for T, pos in ((3, 0), (17, 9), (65, 64)):
+            x = torch.randn(T, 64, generator=g)
+            x[pos] = victim[0]
+            yield x, pos
+
+    rowwise = lambda x: torch.stack([(r[:, None] * w).sum(0) for r in x])  # noqa: E731 - one row at a time
+    assert_victim_in_batch(rowwise(victim), victim_runs(rowwise, victim, batches()))
+    with pytest.raises(AssertionError, match="no batch"):
+        assert_victim_in_batch(rowwise(victim), [])
+    # a batch-coupled computation (adds a tiny batch statistic) is caught by both helpers
+    coupled = lambda x: rowwise(x) + x.sum() * 1e-3  # noqa: E731
+    runs = list(victim_runs(coupled, victim, batches()))
+    with pytest.raises(AssertionError, match="victim at"):
+        assert_victim_in_batch(coupled(victim), runs)
+    assert assert_batch_dependent(coupled(victim), runs)
+    with pytest.raises(AssertionError, match="proves nothing"):
+        assert_batch_dependent(rowwise(victim), victim_runs(rowwise, victim, batches()))
