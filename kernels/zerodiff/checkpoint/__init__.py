@@ -3,6 +3,7 @@
 ``zerodiff.checkpoint.dsv4``: DeepSeek-V4 in the FP8 base checkpoint's layout, as vLLM 0.33.0 loads it
 (see that module for the contract and ``docs/checkpoint.md`` for the names and how they were verified).
 ``zerodiff.checkpoint.safetensors_io``: the safetensors format, read and written with torch + numpy only.
+``zerodiff.checkpoint.cli``: the ``zerodiff make-checkpoint`` subcommand.
 """
 
 from .dsv4 import (  # noqa: F401

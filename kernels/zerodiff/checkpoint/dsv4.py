@@ -42,7 +42,7 @@ Public API::
     checkpoint_layout(config) -> list[(name, shape, dtype)]       every tensor the checkpoint holds
     generate_masters(preset_or_config, seed) -> dict name -> tensor
     deploy(masters, config) -> dict name -> tensor                FP8 weights + scales, the rest as is
-    make_checkpoint(out, preset, seed=0, *, masters=False, force=False, shard_bytes=...) -> Summary
+    make_checkpoint(out, preset, seed=0, *, masters=False, force=False, shard_bytes=..., progress=None) -> Summary
     read_checkpoint(dir) -> (config dict, dict name -> tensor)
     read_masters(dir) -> dict name -> tensor                      what ``masters=True`` wrote
     dequantize(q, scale) -> FP32 tensor
@@ -498,9 +498,10 @@ class Summary:
         return d
 
 
-def _write_sharded(dirpath: Path, tensors: dict, shard_bytes: int, stem: str = "model") -> dict:
+def _write_sharded(dirpath: Path, tensors: dict, shard_bytes: int, stem: str = "model", progress=None,
+                   label: str = "") -> dict:
     """Write ``tensors`` as ``<stem>-0000i-of-0000n.safetensors`` + ``<stem>.safetensors.index.json``;
-    returns relative file name -> size."""
+    returns relative file name -> size. ``progress(message)`` is called after each shard (named ``label + file``)."""
     shards: list = [[]]
     size = 0
     for name, t in tensors.items():
@@ -515,6 +516,8 @@ def _write_sharded(dirpath: Path, tensors: dict, shard_bytes: int, stem: str = "
     for i, names in enumerate(shards, 1):
         fname = f"{stem}-{i:05d}-of-{count:05d}.safetensors"
         files[fname] = st.write_file(dirpath / fname, {k: tensors[k] for k in names}, {"format": "pt"})
+        if progress is not None:
+            progress(f"wrote {label}{fname}: {len(names)} tensors, {files[fname]:,} bytes")
         weight_map.update({k: fname for k in names})
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
              "weight_map": weight_map}
@@ -532,14 +535,15 @@ def _check_out(out: Path, force: bool) -> None:
 
 
 def make_checkpoint(out, p="tiny", seed: int = 0, *, masters: bool = False, force: bool = False,
-                    shard_bytes: int = DEFAULT_SHARD_BYTES, backend=None) -> Summary:
+                    shard_bytes: int = DEFAULT_SHARD_BYTES, backend=None, progress=None) -> Summary:
     """Generate preset ``p`` (name or :class:`CheckpointPreset`) from ``seed`` and write it to ``out``.
 
     ``masters=True`` also writes the BF16/FP32 masters (same names; FP8-stored linears as their BF16
     ``.weight``) under ``out/masters/`` (sharded the same way, a directory vLLM never reads). Writes to a
     temporary sibling of ``out`` and renames it into place at the end; on any failure nothing is left at
     ``out`` (an existing ``out`` replaced with ``force`` is removed only after the new one is complete).
-    Raises :class:`CheckpointError` for a bad preset or a refused ``out``."""
+    Raises :class:`CheckpointError` for a bad preset or a refused ``out``. ``progress(message)``, when given,
+    is called at each stage (masters, quantisation, every shard written)."""
     pr = preset(p) if isinstance(p, str) else p
     cfg = config_dict(pr)
     out = Path(out).absolute()
@@ -548,16 +552,21 @@ def make_checkpoint(out, p="tiny", seed: int = 0, *, masters: bool = False, forc
         raise CheckpointError(f"shard size must be positive, got {shard_bytes}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    say = progress if progress is not None else (lambda msg: None)
     try:
+        layout = master_layout(cfg)
+        say(f"drawing {len(layout)} masters ({sum(math.prod(x.shape) for x in layout):,} parameters) "
+            f"from seed {int(seed)}")
         m = generate_masters(cfg, seed)
+        say(f"quantising {sum(x.fp8 for x in layout)} linears to block FP8 (128 x 128, power-of-two scales)")
         tensors = deploy(m, cfg, backend=backend)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         files = {"config.json": (tmp / "config.json").stat().st_size}
-        files.update(_write_sharded(tmp, tensors, shard_bytes))
+        files.update(_write_sharded(tmp, tensors, shard_bytes, progress=progress))
         masters_bytes = 0
         if masters:
             (tmp / "masters").mkdir()
-            mfiles = _write_sharded(tmp / "masters", m, shard_bytes)
+            mfiles = _write_sharded(tmp / "masters", m, shard_bytes, progress=progress, label="masters/")
             masters_bytes = sum(mfiles.values())
             files.update({f"masters/{k}": v for k, v in mfiles.items()})
         old = None
