@@ -3,6 +3,8 @@
     zerodiff --version        print the package version
     zerodiff doctor [--json]  what this machine can run (torch, Triton, CUDA, backends, pins, verdict)
 
+    zerodiff make-checkpoint  write a seeded DeepSeek-V4 checkpoint in the released FP8 layout
+                              (zerodiff.checkpoint.cli)
     zerodiff vllm-check       engine-level acceptance inside real (patched) vLLM (zerodiff.vllm_check)
 
 End-to-end subcommands (``check``, ``bench``) come from ``zerodiff.e2e_cli`` when that module exists: it
@@ -46,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
             raise
     else:
         e2e_cli.register(sub)
+    from .checkpoint.cli import register as _register_make_checkpoint
     from .vllm_check import register as _register_vllm_check
 
+    _register_make_checkpoint(sub)
     _register_vllm_check(sub)
     return ap
 
