@@ -57,15 +57,17 @@ Autograd wrappers (public)
   ``softmax - onehot`` in FP32. ``token_logprobs(logits, target, temperature=1.0)`` is the same with the
   sign of a log-prob.
 * ``Fp8Linear`` / ``fp8_linear(x, master_weight, fp8_weight)``: forward ``zerodiff.ops.fp8_gemm.fp8_linear``
-  on the deployment bytes (``Fp8Weight`` requantised from the BF16 master by the deployment rule); backward
-  straight-through: FP32 ``grad @ W_master`` and ``grad^T @ x`` w.r.t. the BF16 master.
+  on the deployment bytes (``Fp8Weight`` requantised from the BF16 master by the deployment rule on every
+  forward, :func:`deploy_fp8`); backward straight-through: FP32 ``grad @ W_master`` and ``grad^T @ x`` w.r.t.
+  the BF16 master.
 * ``mark_fp8_linears(model, predicate)`` / ``parallel_linear_fp8(module, x, weight=None)``: Megatron's
   ``ColumnParallelLinear`` / ``RowParallelLinear`` marked ``zerodiff_fp8 = True`` run :func:`fp8_linear`
-  with a per-module deployment copy requantised in place whenever the master's version changes.
+  with a per-module deployment copy requantised in place from the master on every forward (optimizer
+  writes through ``param.data`` or the param buffers do not move ``param._version``, so nothing is cached).
 * ``moe_layer_forward(layer, hidden_states, probs, routing_map, shared_expert_output, intermediate_tensors=None)``
   (the patched ``MoELayer.forward`` after routing) / ``moe_experts(experts, x, probs, routing_map, topk,
   clamp_limit=None) -> fp32 [T, H]``: ``zerodiff.ops.moe.moe_experts`` in the contiguous layout on a stacked
-  per-module deployment copy of the expert masters (requantised in place when a master's version changes), slots
+  per-module deployment copy of the expert masters (requantised in place on every forward), slots
   from ``routing_slots(probs, routing_map, topk)`` (expert id descending = ``route``'s slot order), FP32 combine
   in slot order, ``finish`` with the shared expert (one BF16 rounding); straight-through backward (FP32 graph,
   unquantised masters) to x, probs and every master (``expert_master_weights``: SequentialMLP / TEGroupedMLP).
@@ -77,7 +79,7 @@ from .common import WeightVersionError  # noqa: F401
 from .guard import validate_config, config_values, check_transformer_config  # noqa: F401
 from .layers import router_logits, topk_routing, swiglu, mlp_activation, RMSNorm, rms_norm  # noqa: F401
 from .logprobs import token_logprobs, cross_entropy  # noqa: F401
-from .linear import fp8_linear, Fp8Linear, FP8_ATTR, mark_fp8_linears, parallel_linear_fp8  # noqa: F401
+from .linear import fp8_linear, Fp8Linear, FP8_ATTR, mark_fp8_linears, parallel_linear_fp8, deploy_fp8  # noqa: F401
 from .moe import expert_master_weights, routing_slots, moe_experts, moe_layer_forward  # noqa: F401
 
 __all__ = [
@@ -98,6 +100,7 @@ __all__ = [
     "FP8_ATTR",
     "mark_fp8_linears",
     "parallel_linear_fp8",
+    "deploy_fp8",
     "expert_master_weights",
     "routing_slots",
     "moe_experts",

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from .. import ConfigError
-from .common import WeightVersionError, _check_versions, _versions
+from .common import _check_versions, _versions
 
-__all__ = ["fp8_linear", "Fp8Linear", "FP8_ATTR", "mark_fp8_linears", "parallel_linear_fp8"]
+__all__ = ["fp8_linear", "Fp8Linear", "FP8_ATTR", "mark_fp8_linears", "parallel_linear_fp8", "deploy_fp8"]
 
 
 # --------------------------------------------------------------------------------------------- FP8 linear
@@ -42,26 +42,22 @@ def fp8_linear(x: torch.Tensor, master_weight: torch.Tensor, fp8_weight) -> torc
 
 
 class Fp8Linear(torch.nn.Module):
-    """BF16 master ``weight [N, K]`` + its block-FP8 deployment copy, requantised IN PLACE (same storage,
-    CUDA-graph safe) by :meth:`refresh` after each optimizer step. Forward refuses a stale deployment."""
+    """BF16 master ``weight [N, K]`` + its block-FP8 deployment copy. Every forward first requantises the copy
+    from the master IN PLACE (same storage, CUDA-graph safe), so the forward always runs the current master's
+    deployment bytes however the master was written (an optimizer writing ``weight.data`` or a flat buffer the
+    weight views does not move ``weight._version``; see :func:`deploy_fp8`)."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        from ...ops.fp8_quant import Fp8Weight
-
         self.weight = torch.nn.Parameter(weight.detach().to(torch.bfloat16).clone())
-        self.fp8 = Fp8Weight.from_master(self.weight.detach())
-        self._deployed_version = self.weight._version
+        self.fp8 = deploy_fp8(self.weight)
 
-    @torch.no_grad()
     def refresh(self) -> None:
-        self.fp8.requantize_(self.weight.detach())
-        self._deployed_version = self.weight._version
+        """Requantise the deployment copy from the master now (the forward does this itself)."""
+        deploy_fp8(self.weight, self.fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight._version != self._deployed_version:
-            raise WeightVersionError("zerodiff Fp8Linear: the master weight changed since the last refresh(); "
-                                     "call refresh() after the optimizer step")
+        self.refresh()
         return fp8_linear(x, self.weight, self.fp8)
 
 
@@ -84,18 +80,30 @@ def mark_fp8_linears(model: torch.nn.Module, predicate) -> list[str]:
 
 
 @torch.no_grad()
-def _deployment(module: torch.nn.Module, weight: torch.Tensor):
-    """The module's block-FP8 deployment copy of ``weight``, requantised IN PLACE (same storage: CUDA graphs
-    keep their addresses) whenever the master's version changed since the last quantisation."""
+def deploy_fp8(master: torch.Tensor, into=None):
+    """The block-FP8 deployment copy of a BF16 ``master`` by the deployment rule: a new ``Fp8Weight``, or
+    written IN PLACE into ``into`` (same storage: CUDA graphs keep their addresses) when it has the master's
+    shape and device.
+
+    The training side calls this on EVERY forward instead of tracking whether the master changed:
+    Megatron's optimizers write the masters through ``param.data`` (``Float16OptimizerWithFloat16Params``
+    copies its FP32 main params back with ``.data.copy_``) or through the flat param-and-grad buffer the
+    params view (distributed optimizer, param all-gather, possibly overlapped with the next forward), and
+    neither moves ``param._version``. Requantising from the master at use is correct for every write path;
+    it costs one pass over the weight (read BF16, write FP8) per forward."""
     from ...ops.fp8_quant import Fp8Weight
 
-    fp8 = getattr(module, "_zerodiff_fp8_weight", None)
-    if fp8 is None or tuple(fp8.q.shape) != tuple(weight.shape) or fp8.q.device != weight.device:
-        fp8 = Fp8Weight.from_master(weight.detach())
-        module._zerodiff_fp8_weight = fp8
-    elif getattr(module, "_zerodiff_fp8_version", None) != weight._version:
-        fp8.requantize_(weight.detach())
-    module._zerodiff_fp8_version = weight._version
+    with torch.inference_mode(False):  # storage reused by later training forwards must not be an inference tensor
+        w = master.detach()
+        if into is None or tuple(into.q.shape) != tuple(w.shape) or into.q.device != w.device:
+            return Fp8Weight.from_master(w)
+        return into.requantize_(w)
+
+
+def _deployment(module: torch.nn.Module, weight: torch.Tensor):
+    """The module's block-FP8 deployment copy, requantised from ``weight`` on this call (see :func:`deploy_fp8`)."""
+    fp8 = deploy_fp8(weight, getattr(module, "_zerodiff_fp8_weight", None))
+    module._zerodiff_fp8_weight = fp8
     return fp8
 
 

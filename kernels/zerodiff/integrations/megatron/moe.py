@@ -112,19 +112,20 @@ class _MoEExperts(torch.autograd.Function):
 @torch.no_grad()
 def _moe_deployment(experts: torch.nn.Module, fc1, fc2):
     """Per-module stacked block-FP8 deployment copy of the experts (``MoEWeights``), requantised IN PLACE
-    (same storage) whenever a master's version changed since the last quantisation."""
+    (same storage) from the masters on every call, for the reason given in
+    :func:`zerodiff.integrations.megatron.linear.deploy_fp8` (optimizer writes do not move ``_version``)."""
     from ...ops.moe import MoEWeights
 
-    vers = _versions(*fc1, *fc2)
-    dep = getattr(experts, "_zerodiff_moe_weights", None)
-    w13 = lambda: torch.stack([w.detach() for w in fc1])  # noqa: E731
-    w2 = lambda: torch.stack([w.detach() for w in fc2])  # noqa: E731
-    if dep is None or dep.num_experts != len(fc1) or dep.w13.q.device != fc1[0].device:
-        dep = MoEWeights.from_master(w13(), w2())
-        experts._zerodiff_moe_weights = dep
-    elif getattr(experts, "_zerodiff_moe_versions", None) != vers:
-        dep.requantize_(w13(), w2())
-    experts._zerodiff_moe_versions = vers
+    with torch.inference_mode(False):
+        w13 = torch.stack([w.detach() for w in fc1])
+        w2 = torch.stack([w.detach() for w in fc2])
+        dep = getattr(experts, "_zerodiff_moe_weights", None)
+        if (dep is None or dep.num_experts != len(fc1) or dep.w13.q.device != fc1[0].device
+                or tuple(dep.w13.q.shape) != tuple(w13.shape) or tuple(dep.w2.q.shape) != tuple(w2.shape)):
+            dep = MoEWeights.from_master(w13, w2)
+            experts._zerodiff_moe_weights = dep
+        else:
+            dep.requantize_(w13, w2)
     return dep
 
 
