@@ -1,9 +1,10 @@
 """megatron-core 0.19.2 glue: the fail-closed config guard and the training-side autograd wrappers that
 the ``patches/megatron`` series calls when consistency mode is on (``ZERODIFF_CONSISTENT=1``).
 
-One module per concern: ``guard`` (config guard), ``common`` (the weight-version check), ``layers`` (router,
-routing, SwiGLU, RMSNorm), ``logprobs`` (loss and token log-probs), ``linear`` (block-FP8 linears), ``moe``
-(routed experts). Everything public is re-exported here, which is the name the patches import
+One module per concern: ``guard`` (config, layer-spec and RL-argument guards), ``common`` (the weight-version
+check), ``layers`` (router, routing, SwiGLU, RMSNorm), ``logprobs`` (loss, token log-probs, Megatron-RL's
+log-probs), ``linear`` (every parallel linear: block FP8, BF16, the LM head; the FP8 deployment constants),
+``moe`` (routed experts). Everything public is re-exported here, which is the name the patches import
 (``zerodiff.integrations.megatron``).
 
 The rule (DESIGN "The one rule"): the training forward calls the SAME zerodiff ops the rollout calls, with
@@ -18,7 +19,14 @@ Config guard
 patched ``TransformerConfig.__post_init__``) refuse, naming the setting:
 
 * ``tensor_model_parallel_size > 1`` and ``expert_tensor_parallel_size > 1``: TP reductions in the
-  compared path (DESIGN "cross-GPU"); ``sequence_parallel`` (only meaningful with TP).
+  compared path (DESIGN "cross-GPU"); ``sequence_parallel`` (only meaningful with TP). The world sizes
+  ``megatron.core.parallel_state`` was initialised with are checked too, once it is initialised (the layers use
+  those groups whatever the config says); the patched linears refuse a sharded layer at its first forward.
+* ``expert_model_parallel_size > 1`` with MoE: the zerodiff MoE layer runs every expert locally.
+* ``transformer_impl`` other than ``local`` (Megatron's default is ``transformer_engine``): TE's fused norm +
+  linear, TE linears and TE attention are not routed. ``multi_latent_attention`` (MLA) and any
+  ``experimental_attention_variant`` (``dsa``: indexer, its top-k and the sparse attention; gated delta net):
+  no zerodiff op computes Megatron's attention for them.
 * ``context_parallel_size > 1`` unless ``cp_comm_type == "all_gather"`` (the contract allows a CP
   all-gather only, never a partial-attention merge).
 * ``normalization`` other than ``RMSNorm``, ``layernorm_zero_centered_gamma``, ``fused_residual_rmsnorm``
@@ -38,6 +46,16 @@ patched ``TransformerConfig.__post_init__``) refuse, naming the setting:
 * ``fp8``/``fp4`` recipes through Transformer Engine: refused; FP8 linears go through
   :func:`fp8_linear` (``Fp8Linear``) instead (DESIGN "dense block-FP8 GEMM").
 
+Layer-spec guard: ``check_module_class(cls)`` (the patched ``spec_utils.build_module``, for every class a spec
+builds) refuses Transformer Engine modules other than ``TENorm`` (which the norm patch routes), MLA and DSA /
+experimental attention modules, naming the class: a TE or MLA spec handed to the model under a config that
+does not say so is refused as well.
+
+RL-argument guard: ``check_training_args(args)`` (the patched ``validate_args``) refuses, for an RL run
+(``perform_rl_step``), more than one optimizer update per rollout step (DESIGN "updates"):
+``grpo_iterations != 1`` (Megatron's default is 2), ``global_batch_size != grpo_prompts_per_step *
+grpo_group_size``, ``rl_partial_rollouts`` and ``rl_generation_lag > 0`` (off-policy rollouts).
+
 Autograd wrappers (public)
 --------------------------
 * ``router_logits(x, weight, bias=None) -> fp32``: ``zerodiff.ops.router_gemm`` (x bf16 ``[..., H]``,
@@ -56,14 +74,25 @@ Autograd wrappers (public)
   (negation is exact, so ``-loss`` is bit-identical to the rollout's sampled-token log-prob); backward
   ``softmax - onehot`` in FP32. ``token_logprobs(logits, target, temperature=1.0)`` is the same with the
   sign of a log-prob.
+* ``selective_log_softmax(logits, index)`` / ``route_rl_logprobs(rl_utils)``: Megatron-RL's log-prob function
+  (``megatron.rl.rl_utils``, which ``get_logprobs`` calls for the training and old-policy log-probs) replaced
+  by :func:`token_logprobs` (FP32, the rollout op's bits); the patched ``megatron.training.training`` calls
+  ``route_rl_logprobs`` right after importing ``megatron.rl``.
 * ``Fp8Linear`` / ``fp8_linear(x, master_weight, fp8_weight)``: forward ``zerodiff.ops.fp8_gemm.fp8_linear``
   on the deployment bytes (``Fp8Weight`` requantised from the BF16 master by the deployment rule on every
   forward, :func:`deploy_fp8`); backward straight-through: FP32 ``grad @ W_master`` and ``grad^T @ x`` w.r.t.
   the BF16 master.
-* ``mark_fp8_linears(model, predicate)`` / ``parallel_linear_fp8(module, x, weight=None)``: Megatron's
-  ``ColumnParallelLinear`` / ``RowParallelLinear`` marked ``zerodiff_fp8 = True`` run :func:`fp8_linear`
-  with a per-module deployment copy requantised in place from the master on every forward (optimizer
-  writes through ``param.data`` or the param buffers do not move ``param._version``, so nothing is cached).
+* ``parallel_linear(module, x, weight=None)``: EVERY ``ColumnParallelLinear`` / ``RowParallelLinear`` (the
+  patched forwards): the LM head (weight tagged ``is_embedding_or_output_parameter``) -> FP32 logits from
+  ``zerodiff.ops.bf16_gemm`` (vLLM's ``lm_head_logits``); ``zerodiff_fp8 = False``
+  (``mark_bf16_linears(model, predicate)``) -> ``bf16_linear``; every other layer -> :func:`fp8_linear` with a
+  per-module deployment copy requantised in place from the master on every forward (optimizer writes through
+  ``param.data`` or the param buffers do not move ``param._version``, so nothing is cached). Refused: biases,
+  tensor-parallel shards, sequence parallelism, non-BF16 masters. Deployment constants (the vLLM side's
+  values): ``FP8_UE8M0 = True`` (power-of-two scales, the checkpoint's), ``fp8_gemm_backend(device)`` (pinned:
+  ``$ZERODIFF_FP8_GEMM_BACKEND`` or ``triton`` on CUDA, ``reference`` on CPU; never probed),
+  ``moe_backend(device)``. ``parallel_linear_fp8`` is the FP8 branch alone; ``mark_fp8_linears`` undoes
+  ``mark_bf16_linears``.
 * ``moe_layer_forward(layer, hidden_states, probs, routing_map, shared_expert_output, intermediate_tensors=None)``
   (the patched ``MoELayer.forward`` after routing) / ``moe_experts(experts, x, probs, routing_map, topk,
   clamp_limit=None) -> fp32 [T, H]``: ``zerodiff.ops.moe.moe_experts`` in the contiguous layout on a stacked
@@ -76,10 +105,13 @@ Autograd wrappers (public)
 from __future__ import annotations
 
 from .common import WeightVersionError  # noqa: F401
-from .guard import validate_config, config_values, check_transformer_config  # noqa: F401
+from .guard import (validate_config, config_values, check_transformer_config, check_module_class,  # noqa: F401
+                    validate_training_args, training_args_values, check_training_args)
 from .layers import router_logits, topk_routing, swiglu, mlp_activation, RMSNorm, rms_norm  # noqa: F401
-from .logprobs import token_logprobs, cross_entropy  # noqa: F401
-from .linear import fp8_linear, Fp8Linear, FP8_ATTR, mark_fp8_linears, parallel_linear_fp8, deploy_fp8  # noqa: F401
+from .logprobs import token_logprobs, cross_entropy, selective_log_softmax, route_rl_logprobs  # noqa: F401
+from .linear import (FP8_UE8M0, fp8_gemm_backend, moe_backend, deploy_fp8, fp8_linear, Fp8Linear, bf16_linear,  # noqa: F401
+                     lm_head_logits, FP8_ATTR, mark_fp8_linears, mark_bf16_linears, parallel_linear,
+                     parallel_linear_fp8)
 from .moe import expert_master_weights, routing_slots, moe_experts, moe_layer_forward  # noqa: F401
 
 __all__ = [
@@ -87,6 +119,12 @@ __all__ = [
     "validate_config",
     "config_values",
     "check_transformer_config",
+    "check_module_class",
+    "validate_training_args",
+    "training_args_values",
+    "check_training_args",
+    "selective_log_softmax",
+    "route_rl_logprobs",
     "router_logits",
     "topk_routing",
     "swiglu",
@@ -101,6 +139,13 @@ __all__ = [
     "mark_fp8_linears",
     "parallel_linear_fp8",
     "deploy_fp8",
+    "FP8_UE8M0",
+    "fp8_gemm_backend",
+    "moe_backend",
+    "bf16_linear",
+    "lm_head_logits",
+    "mark_bf16_linears",
+    "parallel_linear",
     "expert_master_weights",
     "routing_slots",
     "moe_experts",

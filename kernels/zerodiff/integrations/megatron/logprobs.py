@@ -53,3 +53,38 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, label_smoothing: f
                               f"{torch.distributed.get_world_size(tp_group)}; consistency mode needs TP = 1")
     return -token_logprobs(logits, target)
 
+
+
+# ------------------------------------------------------------------------------------ Megatron-RL log-probs
+__all__ += ["selective_log_softmax", "route_rl_logprobs"]
+
+_STOCK_ATTR = "_zerodiff_stock_selective_log_softmax"
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The log-prob of ``index`` under ``logits`` (``[..., V]``, ``[...]`` -> FP32 ``[...]``), the signature of
+    Megatron-RL's ``rl_utils.selective_log_softmax`` (what its ``get_logprobs`` calls for the training and the
+    old-policy log-probs), computed by :func:`token_logprobs`: bit-identical to the rollout's sampled-token
+    log-prob (``zerodiff.ops.logprobs.token_logprobs``) on the same logits, differentiable w.r.t. ``logits``.
+    Unlike the stock function it always returns FP32 (never BF16 log-probs for BF16 logits)."""
+    if index.shape != logits.shape[:-1]:
+        raise ConfigError(f"zerodiff selective_log_softmax: index {tuple(index.shape)} must have the logits' "
+                          f"leading shape {tuple(logits.shape[:-1])}")
+    return token_logprobs(logits, index, temperature)
+
+
+def route_rl_logprobs(rl_utils) -> bool:
+    """Route Megatron-RL's log-probs through :func:`selective_log_softmax`: ``rl_utils`` is the imported
+    ``megatron.rl.rl_utils`` module, whose ``get_logprobs`` looks ``selective_log_softmax`` up in the module at
+    call time, so replacing the module attribute routes every caller of ``get_logprobs``. The stock function is
+    kept as ``rl_utils._zerodiff_stock_selective_log_softmax``. Idempotent (returns False when already routed).
+    A module without ``selective_log_softmax`` is refused: the RL code changed and nothing would be routed."""
+    current = getattr(rl_utils, "selective_log_softmax", None)
+    if current is None:
+        raise ConfigError(f"zerodiff: {getattr(rl_utils, '__name__', rl_utils)!r} has no selective_log_softmax; "
+                          "this Megatron-RL version computes its log-probs elsewhere and is not routed")
+    if current is selective_log_softmax:
+        return False
+    setattr(rl_utils, _STOCK_ATTR, current)
+    rl_utils.selective_log_softmax = selective_log_softmax
+    return True

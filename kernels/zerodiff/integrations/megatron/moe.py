@@ -9,7 +9,9 @@ import torch.nn.functional as F
 
 from .. import ConfigError
 from .common import _check_versions, _versions
+from . import linear
 from .layers import _swiglu_graph
+from .linear import moe_backend
 
 __all__ = ["expert_master_weights", "routing_slots", "moe_experts", "moe_layer_forward"]
 
@@ -85,7 +87,8 @@ class _MoEExperts(torch.autograd.Function):
         ctx.zd_versions = _versions(*masters)
         ctx.clamp_limit = clamp_limit
         ctx.n = n_experts
-        return zd_moe_experts(x2, w.detach(), ids, deployed, layout="contiguous", clamp_limit=clamp_limit)
+        return zd_moe_experts(x2, w.detach(), ids, deployed, layout="contiguous", clamp_limit=clamp_limit,
+                              backend=moe_backend(x2.device))
 
     @staticmethod
     def backward(ctx, g):
@@ -121,8 +124,9 @@ def _moe_deployment(experts: torch.nn.Module, fc1, fc2):
         w2 = torch.stack([w.detach() for w in fc2])
         dep = getattr(experts, "_zerodiff_moe_weights", None)
         if (dep is None or dep.num_experts != len(fc1) or dep.w13.q.device != fc1[0].device
-                or tuple(dep.w13.q.shape) != tuple(w13.shape) or tuple(dep.w2.q.shape) != tuple(w2.shape)):
-            dep = MoEWeights.from_master(w13, w2)
+                or tuple(dep.w13.q.shape) != tuple(w13.shape) or tuple(dep.w2.q.shape) != tuple(w2.shape)
+                or dep.w13.ue8m0 != linear.FP8_UE8M0):
+            dep = MoEWeights.from_master(w13, w2, ue8m0=linear.FP8_UE8M0)
             experts._zerodiff_moe_weights = dep
         else:
             dep.requantize_(w13, w2)
