@@ -141,18 +141,23 @@ def test_moe_experts_follow_masters_written_without_a_version_bump(seeded, style
 def test_float16_optimizer_step_reaches_the_fp8_forward(seeded, megatron):
     """Megatron's own Float16OptimizerWithFloat16Params (its real ``prepare_grads`` and
     ``step_with_ready_grads``: torch Adam on the FP32 main params, then ``_copy_main_params_to_model_params``)
-    updates a BF16 master; the next zerodiff FP8 forward is the forward of the new master.
+    updates the BF16 master of a real ``ColumnParallelLinear``; the next zerodiff FP8 forward is the forward of
+    the new master.
 
     The optimizer's ``__init__`` needs CUDA (it allocates its unit loss scale on the GPU and accepts only
     ``torch.cuda.*Tensor`` params), so the object is assembled with the attributes ``__init__`` sets; the
     methods that run are upstream's."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     g = seeded()
-    lin = _linear(_bf16(g, 256, 256))
+    lin = ColumnParallelLinear(256, 256, config=ModelParallelConfig(use_cpu_initialization=True,
+                                                                    params_dtype=torch.bfloat16),
+                               init_method=lambda w: w.copy_(_bf16(g, 256, 256)), bias=False)
     x = _bf16(g, 8, 256, scale=1.0)
-    y, _ = zm.parallel_linear_fp8(lin, x)
+    y, _ = zm.parallel_linear(lin, x)
     y.float().square().sum().backward()
     main = lin.weight.detach().clone().float()
     lin.weight.main_param = main
@@ -165,8 +170,8 @@ def test_float16_optimizer_step_reaches_the_fp8_forward(seeded, megatron):
     assert opt.prepare_grads() is False and opt.step_with_ready_grads() is True
     assert not torch.equal(lin.weight.detach(), old_master)  # the step wrote the master ...
     assert lin.weight._version == version  # ... through .data, without a version bump
-    after, _ = zm.parallel_linear_fp8(lin, x)
-    fresh, _ = zm.parallel_linear_fp8(_linear(lin.weight.detach()), x)
+    after, _ = zm.parallel_linear(lin, x)
+    fresh, _ = zm.parallel_linear(_linear(lin.weight.detach()), x)
     assert torch.equal(after, fresh), float((after.float() - fresh.float()).abs().max())
 
 
