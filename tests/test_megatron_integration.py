@@ -271,6 +271,9 @@ def test_fp8_gemm_backend_is_pinned_never_probed(monkeypatch):
     with pytest.raises(ConfigError, match="ZERODIFF_FP8_GEMM_BACKEND='auto'"):
         zm.fp8_gemm_backend("cuda", {"ZERODIFF_FP8_GEMM_BACKEND": "auto"})
     assert zm.moe_backend("cuda") == "triton" and zm.moe_backend("cpu") == "reference"
+    cfg = NS(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, transformer_impl="local")
+    with pytest.raises(ConfigError, match="ZERODIFF_FP8_GEMM_BACKEND='dg'"):  # refused at start
+        zm.check_transformer_config(cfg, {**ON, "ZERODIFF_FP8_GEMM_BACKEND": "dg"})
 
 
 def test_forward_passes_the_pinned_backend(seeded, monkeypatch):

@@ -232,10 +232,14 @@ def _parallel_state_sizes() -> dict:
 
 def check_transformer_config(config: Any, environ=None) -> bool:
     """The guard the patched ``TransformerConfig.__post_init__`` calls: no-op (False) when consistency mode
-    is off; else validate (raising :class:`ConfigError`) and return True."""
+    is off; else validate (raising :class:`ConfigError`) and return True. A bad ``ZERODIFF_FP8_GEMM_BACKEND``
+    is refused here too, at start rather than at the first FP8 forward."""
     if not enabled(environ):
         return False
+    from .linear import fp8_gemm_backend
+
     validate_config(**config_values(config))
+    fp8_gemm_backend("cuda", environ)
     return True
 
 
