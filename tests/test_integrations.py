@@ -399,6 +399,15 @@ BAD_MEG = [
     ("cross_entropy_loss_fusion", True, "cross_entropy_loss_fusion"),
     ("hidden_dropout", 0.1, "hidden_dropout=0.1"),
     ("attention_dropout", 0.1, "attention_dropout=0.1"),
+    ("transformer_impl", "transformer_engine", "transformer_impl='transformer_engine'"),
+    ("transformer_impl", "inference_optimized", "transformer_impl='inference_optimized'"),
+    ("multi_latent_attention", True, "multi_latent_attention=True"),
+    ("experimental_attention_variant", "dsa", "experimental_attention_variant='dsa'"),
+    ("experimental_attention_variant", "gated_delta_net", "experimental_attention_variant='gated_delta_net'"),
+    ("expert_model_parallel_size", 8, "expert_model_parallel_size=8"),
+    ("parallel_state_tensor_parallel_size", 2, "parallel_state tensor-parallel world size 2"),
+    ("parallel_state_expert_tensor_parallel_size", 2, "parallel_state expert-tensor-parallel world size 2"),
+    ("parallel_state_expert_model_parallel_size", 4, "(parallel_state: 4)"),
 ]
 
 
@@ -419,8 +428,11 @@ def test_megatron_check_config_object():
     cfg = NS(tensor_model_parallel_size=1, expert_tensor_parallel_size=None, sequence_parallel=False,
              context_parallel_size=1, cp_comm_type=None, normalization="RMSNorm", gated_linear_unit=True,
              activation_func=F.silu, add_bias_linear=False, num_moe_experts=8, moe_router_dtype="fp32",
-             moe_router_score_function="softmax")
+             moe_router_score_function="softmax", transformer_impl="local")
     assert zm.check_transformer_config(cfg, {"ZERODIFF_CONSISTENT": "1"}) is True
+    no_impl = NS(**{k: v for k, v in vars(cfg).items() if k != "transformer_impl"})
+    with pytest.raises(ConfigError, match="transformer_impl='transformer_engine'"):  # Megatron's default
+        zm.check_transformer_config(no_impl, {"ZERODIFF_CONSISTENT": "1"})
     bad = NS(**{**vars(cfg), "activation_func": F.gelu, "tensor_model_parallel_size": 8})
     with pytest.raises(ConfigError) as ei:
         zm.check_transformer_config(bad, {"ZERODIFF_CONSISTENT": "1"})
@@ -579,7 +591,7 @@ def test_fp8_linear_forward_and_ste(seeded):
     lin = zm.Fp8Linear((torch.randn(128, 128, generator=g) * 0.05).to(torch.bfloat16))
     x = torch.randn(5, 128, generator=g).to(torch.bfloat16).requires_grad_(True)
     y = lin(x)
-    assert torch.equal(y.detach(), fp8_linear(x.detach(), Fp8Weight.from_master(lin.weight.detach())))
+    assert torch.equal(y.detach(), fp8_linear(x.detach(), Fp8Weight.from_master(lin.weight.detach(), ue8m0=zm.FP8_UE8M0)))
     gy = torch.randn(5, 128, generator=g)
     y.backward(gy)
     assert _rel(x.grad, gy.double() @ lin.weight.detach().double()) < 1e-2
@@ -587,11 +599,9 @@ def test_fp8_linear_forward_and_ste(seeded):
     q_ptr = lin.fp8.q.data_ptr()
     with torch.no_grad():
         lin.weight.mul_(1.5)
-    with pytest.raises(zm.WeightVersionError, match="refresh"):
-        lin(x)
-    lin.refresh()
-    assert lin.fp8.q.data_ptr() == q_ptr  # requantised in place (CUDA-graph safe)
-    assert torch.equal(lin(x.detach()), fp8_linear(x.detach(), Fp8Weight.from_master(lin.weight.detach())))
+    # the next forward requantises from the master first, in place (CUDA-graph safe)
+    assert torch.equal(lin(x.detach()), fp8_linear(x.detach(), Fp8Weight.from_master(lin.weight.detach(), ue8m0=zm.FP8_UE8M0)))
+    assert lin.fp8.q.data_ptr() == q_ptr
 
 
 # ------------------------------------------------------------------ vLLM router / RMSNorm / log-probs
@@ -1024,7 +1034,7 @@ def test_megatron_parallel_linear_fp8(seeded):
     y, b = zm.parallel_linear_fp8(lin, x)
     assert b is None and y.shape == (3, 5, 256)
     assert torch.equal(y.detach().reshape(15, 256), fp8_linear(x.detach().reshape(15, 128),
-                                                                  Fp8Weight.from_master(lin.weight.detach())))
+                                                                  Fp8Weight.from_master(lin.weight.detach(), ue8m0=zm.FP8_UE8M0)))
     y.float().sum().backward()
     assert lin.weight.grad is not None and x.grad is not None
     q_ptr = lin._zerodiff_fp8_weight.q.data_ptr()
@@ -1033,7 +1043,7 @@ def test_megatron_parallel_linear_fp8(seeded):
     y2, _ = zm.parallel_linear_fp8(lin, x.detach())
     assert lin._zerodiff_fp8_weight.q.data_ptr() == q_ptr
     assert torch.equal(y2.reshape(15, 256), fp8_linear(x.detach().reshape(15, 128),
-                                                       Fp8Weight.from_master(lin.weight.detach())))
+                                                       Fp8Weight.from_master(lin.weight.detach(), ue8m0=zm.FP8_UE8M0)))
     with pytest.raises(ConfigError, match="bfloat16"):
         zm.parallel_linear_fp8(torch.nn.Linear(128, 8, bias=False), x.detach())
 
@@ -1414,7 +1424,7 @@ def test_megatron_moe_layer_value_is_the_rollout_op(seeded, grouped):
     assert torch.equal(ids, ids_ref) and torch.equal(w, w_ref)
     shared = (torch.randn(19, 128, generator=g)).to(torch.bfloat16)
     out = zm.moe_layer_forward(_moe_layer(experts, k, clamp=7.0), x.view(19, 1, 128), probs, rmap, shared)
-    dep = MoEWeights.from_master(torch.stack([w.detach() for w in fc1]), torch.stack([w.detach() for w in fc2]))
+    dep = MoEWeights.from_master(torch.stack([w.detach() for w in fc1]), torch.stack([w.detach() for w in fc2]), ue8m0=zm.FP8_UE8M0)
     ref = finish(moe_experts(x, w_ref, ids_ref, dep, clamp_limit=7.0), shared)
     assert out.shape == (19, 1, 128) and out.dtype == torch.bfloat16
     assert torch.equal(out.view(19, 128), ref)
@@ -1447,7 +1457,7 @@ def test_megatron_moe_victim_in_batch_and_negative_control(seeded):
     # negative control on the same inputs
     p, m = zm.topk_routing(la, k, score_function="softmax")
     w, ids = zm.routing_slots(p, m, k)
-    dep = MoEWeights.from_master(torch.stack([w_.detach() for w_ in fc1]), torch.stack([w_.detach() for w_ in fc2]))
+    dep = MoEWeights.from_master(torch.stack([w_.detach() for w_ in fc1]), torch.stack([w_.detach() for w_ in fc2]), ue8m0=zm.FP8_UE8M0)
     ours = run(xa, la)
     stock = torch.zeros(65, 128, dtype=torch.bfloat16)
     for j in reversed(range(k)):  # expert id ascending (slots are id-descending), bf16 products and sums
@@ -1515,7 +1525,7 @@ def test_megatron_moe_ste_gradients_and_version_check(seeded):
         for w in fc1:
             w.mul_(0.5)
     zm.moe_layer_forward(layer, x.detach(), *zm.topk_routing(lg.detach(), k, score_function="softmax"), None)
-    fresh = MoEWeights.from_master(torch.stack([w.detach() for w in fc1]), torch.stack([w.detach() for w in fc2]))
+    fresh = MoEWeights.from_master(torch.stack([w.detach() for w in fc1]), torch.stack([w.detach() for w in fc2]), ue8m0=zm.FP8_UE8M0)
     assert experts._zerodiff_moe_weights is dep and dep.w13.q.data_ptr() == ptr
     assert torch.equal(dep.w13.q.view(torch.uint8), fresh.w13.q.view(torch.uint8))
     assert torch.equal(dep.w2.scale, fresh.w2.scale)
@@ -1572,7 +1582,7 @@ def test_gpu_megatron_moe_layer_triton_victim_and_value():
 
     out = run(xs, sh)
     w, ids = route(zm.router_logits(xs, wr).detach(), k, scoring="sigmoid", renormalize=True)
-    dep = MoEWeights.from_master(torch.stack([t.detach() for t in fc1]), torch.stack([t.detach() for t in fc2]))
+    dep = MoEWeights.from_master(torch.stack([t.detach() for t in fc1]), torch.stack([t.detach() for t in fc2]), ue8m0=zm.FP8_UE8M0)
     assert torch.equal(out, finish(moe_experts(xs, w, ids, dep, clamp_limit=7.0), sh))
     for rnd in range(2):
         v = 3 + 40 * rnd

@@ -3,7 +3,7 @@
 The patch series in ``patches/vllm`` and ``patches/megatron`` stays thin: each patched call site asks
 this package whether consistency mode is on and, if so, calls one adapter here. All logic (config
 validation, layout conversion, autograd wrappers) lives in :mod:`zerodiff.integrations.vllm` and
-:mod:`zerodiff.integrations.megatron`.
+:mod:`zerodiff.integrations.megatron` (one module per concern in each).
 
 The switch
 ----------
