@@ -22,6 +22,7 @@ import torch
 from ..model.cache import PagedCache
 from ..model.forward import build_step, forward_step
 from ..model.ops import Tape
+from ..rl.locate import ops_for
 
 
 def pack(seqs, micro_tokens: int, pack_seed: int):
@@ -85,8 +86,8 @@ class TrainingForward:
             self.ops.tape = Tape() if grad else None
             try:
                 with torch.set_grad_enabled(grad):
-                    logits = forward_step((self.dep, self.masters if grad else None), step, self.cache, self.ops,
-                                          record=rec)
+                    logits = forward_step((self.dep, self.masters if grad else None), step, self.cache,
+                                          ops_for(record, self.ops, step), record=rec)
                     lp = self.ops.logprobs(logits, targets)
                 lens = [len(s[2]) for s in mb]
                 parts = torch.split(lp, lens)
