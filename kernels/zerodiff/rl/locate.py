@@ -116,19 +116,42 @@ class _RecordingOps:
             keys = step.keys
         outs = out if isinstance(out, tuple) else (out,)
         suffixes = {"mhc_pre": ("", ":post", ":comb"), "route": ("", ":ids")}.get(op, ("",) * len(outs))
+        plant = getattr(self._sink, "plant", None)
+        if plant is not None and plant in [name + sfx for sfx in suffixes]:
+            i = [name + sfx for sfx in suffixes].index(plant)
+            outs = outs[:i] + (_one_ulp_up(outs[i]),) + outs[i + 1:]
+            out = outs if isinstance(out, tuple) else outs[0]
+            self._sink.planted_hits += 1
         for sfx, t in zip(suffixes, outs):
             if torch.is_tensor(t) and t.dim() >= 1 and t.shape[0] == len(keys):
                 self._sink.op(name + sfx, keys, t)
         return out
 
 
-class OpRecorder(Recorder):
-    """Per-layer rows (as :class:`Recorder`) plus every op's output per token (``op_order`` / ``op_rows``)."""
+def _one_ulp_up(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the first element of every row moved one ulp (its bit pattern + 1: away from zero): a planted
+    divergence."""
+    if not t.is_floating_point():
+        raise ValueError(f"zerodiff locate: cannot plant a divergence in an op with {t.dtype} output")
+    t = t.detach().clone()
+    b = t.view(_INT_VIEW[t.element_size()])
+    b[(slice(None),) + (0,) * (t.dim() - 1)] += 1
+    return t
 
-    def __init__(self):
+
+class OpRecorder(Recorder):
+    """Per-layer rows (as :class:`Recorder`) plus every op's output per token (``op_order`` / ``op_rows``).
+
+    ``plant`` (an op name, e.g. ``layers.1.q_norm`` or ``layers.0.attn_hc_pre:post``): on the side recorded with
+    it, that op's output is moved one ulp (first element of every token's row) before the model goes on: a
+    divergence planted at a known op, for checking the locator itself (no-gradient forwards only)."""
+
+    def __init__(self, plant: str | None = None):
         super().__init__()
         self.op_order: list = []
         self.op_rows: dict = {}
+        self.plant = plant
+        self.planted_hits = 0
 
     def ops_for(self, ops, step):
         return _RecordingOps(ops, step, self)
@@ -186,14 +209,15 @@ def first_op_divergence(rollout: OpRecorder, train: OpRecorder) -> dict | None:
     return None
 
 
-def locate(run, step: int | None = None) -> dict:
+def locate(run, step: int | None = None, plant: str | None = None) -> dict:
     """One RL step's rollout and training forward of ``run`` (an :class:`~zerodiff.rl.loop.RLRun`; no update)
-    with op-level recording on both sides; returns the first differing op (or None) and what was compared."""
+    with op-level recording on both sides; returns the first differing op (or None) and what was compared.
+    ``plant``: an op name whose training-side output is moved one ulp (see :class:`OpRecorder`)."""
     from .loop import _mix
     from .report import diff_report
 
     step = run.step if step is None else step
-    rr, rt = OpRecorder(), OpRecorder()
+    rr, rt = OpRecorder(), OpRecorder(plant=plant)
     _, out = run.rollout(step, record=rr)
     seqs = [(k, o.prompt, o.response) for k, o in sorted(out.items())]
     lp_t = run.trainer.run(seqs, pack_seed=_mix(run.seed, step, 3), grad=False, record=rt)
@@ -204,7 +228,10 @@ def locate(run, step: int | None = None) -> dict:
                "tokens_compared": rep["tokens"], "max_abs_diff": rep["training/rollout_probs_diff_max"],
                "ops_before_equal": len(rr.op_order)}
     missing = [n for n in rr.op_order if n not in rt.op_rows]
+    if plant is not None and plant not in rr.op_order:
+        raise ValueError(f"zerodiff locate: no op named {plant!r}; the ops are {rr.op_order}")
     return {"step": step, "mode": run.mode, "divergence": div, "ops_compared": len(rr.op_order),
+            "planted": plant, "planted_calls": rt.planted_hits if plant is not None else None,
             "op_names": list(rr.op_order), "ops_missing_on_train_side": missing,
             "tokens": sum(len(o.prompt) + len(o.response) - 1 for o in out.values()),
             "logprobs": {k: rep[k] for k in ("tokens", "tokens_differ", "bitwise_equal",

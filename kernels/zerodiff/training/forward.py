@@ -78,7 +78,10 @@ class TrainingForward:
         check) and may raise to stop before any gradient is applied."""
         out = {}
         self.dep.update_(self.masters)
-        for mb in pack(seqs, self.preset.train.micro_tokens, pack_seed):
+        micro = pack(seqs, self.preset.train.micro_tokens, pack_seed)
+        #: (sequences, tokens) per micro-batch of the last run: the packing the step really used
+        self.last_packing = [(len(mb), sum(len(s[1]) + len(s[2]) - 1 for s in mb)) for mb in micro]
+        for mb in micro:
             step, targets = self._step_for(mb)
             rec = None
             if record is not None:
