@@ -58,3 +58,35 @@ def test_every_planted_bug_fails_the_tight_check():
     assert not missed, {n: res[n] for n in missed}
     # backward-only bugs: the forward's bits (what the rollout-vs-training diff sees) are untouched
     assert all(r["forward_bits_unchanged"] for r in res.values()), res
+
+
+@pytest.mark.gpu
+def test_gpu_tight_gradcheck_within_rounding_bounds():
+    """The tight check with the CUDA kernels (gpu_small shapes, short requests: the float64 reference runs on the
+    host). No recorded GPU values yet, so the bound is the principled one: a BF16 master's error within 2.5x the
+    error of rounding the exact gradient once to BF16, an FP32 master's within 1e-4. Prints the values to record.
+    One planted bug must fail on the GPU too."""
+    import dataclasses
+
+    from zerodiff.model.config import GPU_SMALL
+    from zerodiff.rl.loop import RLRun
+
+    p = GPU_SMALL.replace(rollout=dataclasses.replace(GPU_SMALL.rollout, prompts_per_step=2, prompt_len=(32, 96),
+                                                      response_len=(8, 16)))
+    run = RLRun(p, seed=0, mode="consistent", device="cuda")
+    _, out = run.rollout(0)
+    seqs = [(k, o.prompt, o.response) for k, o in sorted(out.items())[:3]]
+    g = torch.Generator().manual_seed(1)
+    coef = {k: float(torch.randn(1, generator=g)) for k, _, _ in seqs}
+
+    def over(errs):
+        return {k: e for k, e in errs.items()
+                if e["rel_err"] > (2.5 * e["rounding_floor"] if e["dtype"] == "bfloat16" else 1e-4)}
+
+    errs = tight_gradient_check(run.trainer, seqs, coef)
+    print("E2E_TIGHT_GRAD_ERRORS", {k: (float(f"{e['rel_err']:.3e}"), float(f"{e['rounding_floor']:.3e}"))
+                                    for k, e in errs.items()})
+    assert not over(errs), over(errs)
+    (m,) = [m for m in MUTATIONS if m.name == "rope_sign_flip"]
+    with applied(m):
+        assert over(tight_gradient_check(run.trainer, seqs, coef))

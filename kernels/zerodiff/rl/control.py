@@ -77,6 +77,7 @@ def control_probe(run, n_seqs: int = 3, tail: int = 4, step: int | None = None, 
     batch = [[(k, t[:-1], 0, wants[k]) for k, t in seqs]]
     r_ops, t_ops = run.engine.ops, run.trainer.ops
     r_dep, t_dep = run.rollout_dep, run.train_dep
+    t_dep.update_(run.masters)  # as the training forward does before every run
     keys = [(k, p) for k, _ in seqs for p in wants[k]]
     rollout_batch = _forward(r_ops, r_dep, cfg, bs, dev, batch)
     train_batch = _forward(t_ops, t_dep, cfg, bs, dev, batch)
