@@ -84,7 +84,7 @@ def test_gpu_tight_gradcheck_within_rounding_bounds():
                 if e["rel_err"] > (2.5 * e["rounding_floor"] if e["dtype"] == "bfloat16" else 1e-4)}
 
     errs = tight_gradient_check(run.trainer, seqs, coef)
-    print("E2E_TIGHT_GRAD_ERRORS", {k: (float(f"{e['rel_err']:.3e}"), float(f"{e['rounding_floor']:.3e}"))
+    print("E2E_GRAD_ERRORS_TIGHT", {k: (float(f"{e['rel_err']:.3e}"), float(f"{e['rounding_floor']:.3e}"))
                                     for k, e in errs.items()})
     assert not over(errs), over(errs)
     (m,) = [m for m in MUTATIONS if m.name == "rope_sign_flip"]

@@ -10,9 +10,16 @@ check
     ``training/rollout_probs_diff_max|mean|std`` and ``rollout_corr/k3_kl`` == 0.0 and no token's log-prob
     differs bitwise). A step with diff != 0 stops the run and names the first diverging layer (exit 1).
     ``--restore-at K`` saves a checkpoint after step K, restores it into a fresh run and continues there
-    (the steps after the restore are checked like the others). ``--baseline`` runs the NEGATIVE CONTROL
-    (stock kernels on both sides, frozen choice in ``zerodiff.model.ops.BASELINE_CHOICE``): it exits 0 only
-    if diff > 0 was observed (that is the expected outcome).
+    (the steps after the restore are checked like the others). ``--seeds N`` repeats the whole check for N
+    seeds (a fresh run each); ``--train-packing greedy|all|none`` chooses how the training forward packs the
+    step's sequences into micro-batches (``all``: one micro-batch; ``none``: one sequence each). ``--baseline``
+    runs the NEGATIVE CONTROL: the same stock ops on both sides (frozen choice in
+    ``zerodiff.model.ops.BASELINE_CHOICE``), preceded by the control probe (``zerodiff.rl.control``: equal bits
+    on equal inputs, and where batch size / phase change them); it exits 0 only if the probe found the two
+    sides equal on equal inputs AND diff > 0 was observed (that is the expected outcome).
+locate
+    Op-level divergence locator (``zerodiff.rl.locate``): one step's rollout and training forward with every op's
+    output recorded per token; JSON naming the first op whose bits differ. Exit 0 when none differs.
 bench
     Rollout output tokens/s of the consistent mode vs the baseline mode on the same requests in one run
     (weights fixed, no updates), with the per-step diff of each mode; JSON plus a PNG plot (matplotlib when
