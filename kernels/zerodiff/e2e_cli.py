@@ -286,7 +286,8 @@ def cmd_check(args) -> int:
                 break
             n_before = len(reports)
             if args.resume:
-                run = RLRun.load(args.resume, device, preset=preset if packing != "greedy" else None)
+                explicit = packing != "greedy" or getattr(args, "micro_tokens", None)  # else the checkpoint's own
+                run = RLRun.load(args.resume, device, preset=preset if explicit else None)
                 _log(args, f"resumed {args.resume} at step {run.step}")
             else:
                 run = RLRun(preset, seed, mode, device)
@@ -382,7 +383,7 @@ def cmd_check(args) -> int:
             f" (time budget reached: {ran} of {args.steps * n_seeds} requested)" if stopped_by_budget else "")
     print(f"{verdict}: {what} ({elapsed:.1f} s)", flush=True)
     doc = doc_now(passed)
-    doc["config"] = run.preset.name
+    doc["config"], doc["seed"] = run.preset.name, per_seed[0]["seed"] if per_seed else seeds[0]
     _write_json(args.json_path, doc)
     return 0 if passed else 1
 
