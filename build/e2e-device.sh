@@ -98,7 +98,7 @@ check_stage() {  # $1: seconds available
 baseline_stage() {
   stage baseline "$T_BASE" $PY -m zerodiff.e2e_cli check --config "$CONFIG" --steps 3 --baseline \
     --time-budget $(( T_BASE - 15 )) --json "$OUT/base_$CONFIG.json"
-  grep -E "^\[|^(PASS|FAIL)|baseline kernel|Error|error" "$W/baseline.log" | tail -n 14 | cut -c1-300 | tee -a "$SUM"
+  grep -E "^\[|^(PASS|FAIL)|^control:|baseline kernel|Error|error" "$W/baseline.log" | tail -n 18 | cut -c1-300 | tee -a "$SUM"
 }
 bench_stage() {  # $1: seconds available
   local t=$1

@@ -1,6 +1,6 @@
 """``zerodiff check`` and ``zerodiff bench``: the end-to-end acceptance harness.
 
-``register(subparsers)`` adds both subcommands to the ``zerodiff`` CLI (``zerodiff.cli``); ``main(argv)``
+``register(subparsers)`` adds the subcommands to the ``zerodiff`` CLI (``zerodiff.cli``); ``main(argv)``
 runs them standalone (``python -m zerodiff.e2e_cli check ...``).
 
 check
@@ -10,9 +10,16 @@ check
     ``training/rollout_probs_diff_max|mean|std`` and ``rollout_corr/k3_kl`` == 0.0 and no token's log-prob
     differs bitwise). A step with diff != 0 stops the run and names the first diverging layer (exit 1).
     ``--restore-at K`` saves a checkpoint after step K, restores it into a fresh run and continues there
-    (the steps after the restore are checked like the others). ``--baseline`` runs the NEGATIVE CONTROL
-    (stock kernels on both sides, frozen choice in ``zerodiff.model.ops.BASELINE_CHOICE``): it exits 0 only
-    if diff > 0 was observed (that is the expected outcome).
+    (the steps after the restore are checked like the others). ``--seeds N`` repeats the whole check for N
+    seeds (a fresh run each); ``--train-packing greedy|all|none`` chooses how the training forward packs the
+    step's sequences into micro-batches (``all``: one micro-batch; ``none``: one sequence each). ``--baseline``
+    runs the NEGATIVE CONTROL: the same stock ops on both sides (frozen choice in
+    ``zerodiff.model.ops.BASELINE_CHOICE``), preceded by the control probe (``zerodiff.rl.control``: equal bits
+    on equal inputs, and where batch size / phase change them); it exits 0 only if the probe found the two
+    sides equal on equal inputs AND diff > 0 was observed (that is the expected outcome).
+locate
+    Op-level divergence locator (``zerodiff.rl.locate``): one step's rollout and training forward with every op's
+    output recorded per token; JSON naming the first op whose bits differ. Exit 0 when none differs.
 bench
     Rollout output tokens/s of the consistent mode vs the baseline mode on the same requests in one run
     (weights fixed, no updates), with the per-step diff of each mode; JSON plus a PNG plot (matplotlib when
@@ -92,14 +99,55 @@ def register(subparsers) -> None:
         "With --baseline (negative control, stock kernels on both sides) the exit status is 0 only if diff > 0 "
         "WAS observed, i.e. the check can see a difference.")
     _common(c)
-    c.add_argument("--steps", type=int, default=3, help="RL steps (default 3)")
+    c.add_argument("--steps", type=int, default=3, help="RL steps (default 3; per seed)")
+    c.add_argument("--seeds", type=int, default=1, metavar="N",
+                   help="run the check for N seeds (--seed, --seed+1, ...), each a fresh run of --steps steps; "
+                        "exit 0 only if every seed passes")
+    c.add_argument("--train-packing", default="greedy", choices=sorted(TRAIN_PACKINGS),
+                   help="how the training forward packs the step's sequences into micro-batches: "
+                        + "; ".join(f"{k}: {v}" for k, v in TRAIN_PACKINGS.items()))
+    c.add_argument("--micro-tokens", type=int, default=None, metavar="N",
+                   help="with --train-packing greedy: micro-batches of at most N tokens (default: the preset's)")
     c.add_argument("--baseline", action="store_true",
-                   help="negative control: stock paths on both sides; exit 0 only if diff > 0 is observed")
+                   help="negative control: the same stock ops on both sides (same kernels, same precision); exit 0 "
+                        "only if diff > 0 is observed AND both sides' ops give equal bits on equal inputs")
     c.add_argument("--restore-at", type=int, default=None, metavar="K",
                    help="after step K save a checkpoint, restore it into a fresh run and continue from it")
     c.add_argument("--save", default=None, help="save a checkpoint here at the end")
     c.add_argument("--resume", default=None, help="start from this checkpoint")
     c.set_defaults(func=cmd_check)
+    lo = subparsers.add_parser(
+        "locate", help="op-level divergence locator: the first op whose output bits differ between rollout and "
+        "training (JSON)",
+        description="Run one RL step's rollout and the training forward (no update) with every op's output recorded "
+        "per token (op names follow the model's weight names, e.g. layers.0.wq_a, layers.1.attention), and report "
+        "the first op in model order whose output differs bitwise: op, layer, request, position, first differing "
+        "coordinate with both values, max |diff|. Every op before it was bitwise equal on every token, so the op "
+        "named had equal inputs. JSON on stdout (and --json FILE), a summary line on stderr. Exit 0 when no op "
+        "differs, 1 when one does; with --plant-divergence, 0 only if exactly the planted op is reported.")
+    lo.add_argument("--config", default=None, choices=["cpu", "gpu_small", "h200"],
+                    help="model/rollout preset (default: h200 when CUDA is present, else cpu)")
+    lo.add_argument("--seed", type=int, default=0, help="weights / prompts / schedule seed (default 0)")
+    lo.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    lo.add_argument("--baseline", action="store_true",
+                    help="the stock ops on both sides (the negative control): shows where the stock kernels diverge")
+    lo.add_argument("--mode", default=None, choices=["consistent", "baseline", "baseline_mixed"],
+                    help="ops pairing (default consistent; --baseline = baseline; baseline_mixed = stock inference "
+                         "ops vs stock training-style ops, the confounded pairing)")
+    lo.add_argument("--steps-before", type=int, default=0, metavar="K",
+                    help="run K RL steps (with updates) first, then locate on step K")
+    lo.add_argument("--prompts", type=int, default=None, metavar="N",
+                    help="prompts per step (default: the preset's; fewer keeps the recording small on big presets)")
+    lo.add_argument("--train-packing", default="greedy", choices=sorted(TRAIN_PACKINGS),
+                    help="training micro-batch packing, as for check")
+    lo.add_argument("--plant-divergence", default=None, metavar="OP",
+                    help="self-test of the locator: move the training side's output of OP one ulp; the locator must "
+                         "report exactly OP")
+    lo.add_argument("--json", dest="json_path", default=None, help="also write the JSON to this file")
+    lo.add_argument("--mhc-variant", default=None, metavar="NAME", help="as for check")
+    lo.add_argument("--attn-backend", default=None, metavar="NAME", help="as for check")
+    lo.add_argument("--profile", default=None, metavar="FILE", help="as for check")
+    lo.set_defaults(func=cmd_locate)
     from .warmup import add_parser as _add_warmup
 
     _add_warmup(subparsers)
@@ -168,100 +216,230 @@ def _pieces():
     return fd.PIECES_PER_ROW
 
 
+#: ``--train-packing``: how the training forward packs the step's whole sequences into micro-batches
+TRAIN_PACKINGS = {
+    "greedy": "shuffled, then packed greedily into micro-batches of at most train.micro_tokens tokens (the default)",
+    "all": "every sequence of the step in ONE micro-batch (maximal packing)",
+    "none": "one sequence per micro-batch (no packing)",
+}
+
+
+def _packed_preset(cfg_name: str, packing: str, micro_tokens=None):
+    """The preset with the training packing of ``--train-packing`` / ``--micro-tokens`` applied."""
+    import dataclasses
+
+    from .model.config import preset as get_preset
+
+    p = get_preset(cfg_name)
+    rc = p.rollout
+    mt = micro_tokens or p.train.micro_tokens
+    if packing == "all":
+        mt = rc.prompts_per_step * rc.responses_per_prompt * p.model.max_pos
+    elif packing == "none":
+        mt = 1
+    elif packing != "greedy":
+        raise SystemExit(f"zerodiff: --train-packing {packing!r} is not one of {sorted(TRAIN_PACKINGS)}")
+    return p if mt == p.train.micro_tokens else p.replace(train=dataclasses.replace(p.train, micro_tokens=mt))
+
+
 def cmd_check(args) -> int:
     variants = _kernel_variants(args)
     from .model.config import default_preset_name
+    from .rl.control import control_probe, describe
     from .rl.loop import DiffError, RLRun
     from .rl.report import format_table
 
     cfg_name = args.config or default_preset_name()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     mode = "baseline" if args.baseline else "consistent"
+    n_seeds = max(1, int(getattr(args, "seeds", 1) or 1))
+    seeds = [args.seed + i for i in range(n_seeds)]
+    if n_seeds > 1 and (args.resume or args.save):
+        raise SystemExit("zerodiff: --seeds N > 1 cannot be combined with --resume / --save")
+    packing = getattr(args, "train_packing", None) or "greedy"
+    preset = _packed_preset(cfg_name, packing, getattr(args, "micro_tokens", None))
     t0 = time.perf_counter()
     reports, failure, restored_at = [], None, None
+    per_seed, probes = [], []
     stopped_by_budget = False
-    from .model.ops import BASELINE_CHOICE, INTERIM_OPS
+    from .model.ops import BASELINE_CHOICE, INTERIM_OPS, MODES
 
     def doc_now(passed=None):
         return {
             "command": "check", "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "device": _device_name(device), "config": cfg_name, "mode": mode, "seed": args.seed,
+            "device": _device_name(device), "config": cfg_name, "mode": mode, "seed": seeds[0], "seeds": seeds,
             "steps": args.steps, "steps_run": len(reports), "stopped_by_time_budget": stopped_by_budget,
             "time_budget_s": args.time_budget, "passed": passed, "elapsed_s": round(time.perf_counter() - t0, 2),
             "restore_at": args.restore_at, "torch": torch.__version__, "kernel_variants": variants,
-            "reports": reports, "failure": failure,
+            "train_packing": {"mode": packing, "micro_tokens": preset.train.micro_tokens,
+                              "what": TRAIN_PACKINGS[packing]},
+            "ops": {"rollout": MODES[mode][0].__name__, "train": MODES[mode][1].__name__},
+            "per_seed": per_seed, "reports": reports, "failure": failure,
             "interim_ops": list(INTERIM_OPS), "baseline_choice": BASELINE_CHOICE if args.baseline else None,
             "baseline_kernels_ran": _baseline_kernels() if args.baseline else None,
+            "control_probe": probes if args.baseline else None,
         }
 
     with _cpu_threads(device):
-        run = RLRun.load(args.resume, device) if args.resume else RLRun(cfg_name, args.seed, mode, device)
-        if args.resume:
-            _log(args, f"resumed {args.resume} at step {run.step}")
-        _log(args, f"model, caches and optimizer ready ({time.perf_counter() - t0:.1f} s)")
-        _log(args, f"zerodiff check: config={run.preset.name} mode={mode} device={_device_name(device)} "
-                   f"steps={args.steps} seed={run.seed}")
-        last_s = 0.0
-        for i in range(args.steps):
-            # step 0 carries the one-off JIT compilations (Triton, DeepGEMM): it does not predict the next step
-            if _over_budget(args, t0, last_s if i >= 2 else 0.0):
-                stopped_by_budget = True
-                _log(args, f"time budget {args.time_budget:.0f} s: stopping cleanly after {len(reports)} of "
-                           f"{args.steps} steps ({time.perf_counter() - t0:.1f} s elapsed)")
+        for seed in seeds:
+            if stopped_by_budget or failure is not None:
                 break
-            ts = time.perf_counter()
-            try:
-                rep = run.run_step()
-            except DiffError as e:
-                failure = {"message": str(e), "report": e.report, "divergence": e.divergence}
-                if e.report:
-                    reports.append(e.report)
-                _log(args, str(e))
-                break
-            if restored_at is not None and rep["step"] == restored_at + 1:
-                rep["first_after_restore"] = True
-            reports.append(rep)
-            _log(args, f"[{i + 1}/{args.steps}] step {rep['step']}: tokens {rep['tokens']} differ "
-                       f"{rep['tokens_differ']} probs_diff_max {rep['training/rollout_probs_diff_max']:.3g} "
-                       f"k3 {rep['rollout_corr/k3_kl']:.3g} engine steps {rep['engine_steps']} "
-                       f"(mixed {rep['mixed_steps']}, decode {rep['decode_steps']}, graphs {rep['graph_steps']}) "
-                       f"batch sizes {rep['batch_sizes'][:6]}{'...' if len(rep['batch_sizes']) > 6 else ''} "
-                       f"reward {rep['reward_mean']:.3f} [{rep['rollout_s'] + rep['train_s']:.1f}s]"
-                       + (" (first step after restore)" if rep.get("first_after_restore") else "")
-                       + f" t={time.perf_counter() - t0:.0f}s")
-            last_s = time.perf_counter() - ts
-            _write_json(args.json_path, doc_now())
-            if args.restore_at is not None and rep["step"] == args.restore_at and i + 1 < args.steps:
-                with tempfile.TemporaryDirectory() as d:
-                    path = os.path.join(d, "ckpt.pt")
-                    run.save(path)
-                    run = RLRun.load(path, device)
-                restored_at = rep["step"]
-                _log(args, f"checkpoint saved after step {restored_at} and restored into a fresh run")
-        if args.save:
-            run.save(args.save)
+            n_before = len(reports)
+            if args.resume:
+                explicit = packing != "greedy" or getattr(args, "micro_tokens", None)  # else the checkpoint's own
+                run = RLRun.load(args.resume, device, preset=preset if explicit else None)
+                _log(args, f"resumed {args.resume} at step {run.step}")
+            else:
+                run = RLRun(preset, seed, mode, device)
+            restored_at = None
+            _log(args, f"model, caches and optimizer ready ({time.perf_counter() - t0:.1f} s)")
+            _log(args, f"zerodiff check: config={run.preset.name} mode={mode} device={_device_name(device)} "
+                       f"steps={args.steps} seed={run.seed}" + (f" ({seeds.index(seed) + 1} of {n_seeds} seeds)"
+                                                                if n_seeds > 1 else "")
+                       + f" train packing={packing} (micro-batches of <= {run.preset.train.micro_tokens} tokens)")
+            probe = None
+            if args.baseline:  # what makes the control a control: equal on equal inputs, different across batch/phase
+                probe = control_probe(run)
+                probe["seed"] = run.seed
+                probes.append(probe)
+                for line in describe(probe):
+                    _log(args, line)
+            last_s = 0.0
+            for i in range(args.steps):
+                # step 0 carries the one-off JIT compilations (Triton, DeepGEMM): it does not predict the next step
+                if _over_budget(args, t0, last_s if i >= 2 else 0.0):
+                    stopped_by_budget = True
+                    _log(args, f"time budget {args.time_budget:.0f} s: stopping cleanly after {len(reports)} of "
+                               f"{args.steps * n_seeds} steps ({time.perf_counter() - t0:.1f} s elapsed)")
+                    break
+                ts = time.perf_counter()
+                try:
+                    rep = run.run_step()
+                except DiffError as e:
+                    failure = {"message": str(e), "report": e.report, "divergence": e.divergence, "seed": run.seed}
+                    if e.report:
+                        e.report["seed"] = run.seed
+                        reports.append(e.report)
+                    _log(args, str(e))
+                    break
+                rep["seed"] = run.seed
+                if restored_at is not None and rep["step"] == restored_at + 1:
+                    rep["first_after_restore"] = True
+                reports.append(rep)
+                _log(args, f"[{i + 1}/{args.steps}] step {rep['step']}: tokens {rep['tokens']} differ "
+                           f"{rep['tokens_differ']} probs_diff_max {rep['training/rollout_probs_diff_max']:.3g} "
+                           f"k3 {rep['rollout_corr/k3_kl']:.3g} engine steps {rep['engine_steps']} "
+                           f"(mixed {rep['mixed_steps']}, decode {rep['decode_steps']}, graphs {rep['graph_steps']}) "
+                           f"batch sizes {rep['batch_sizes'][:6]}{'...' if len(rep['batch_sizes']) > 6 else ''} "
+                           f"train micro-batches {rep.get('train_micro_batches')} (seqs "
+                           f"{max(rep.get('train_seqs_per_micro') or [0])} max) "
+                           f"reward {rep['reward_mean']:.3f} [{rep['rollout_s'] + rep['train_s']:.1f}s]"
+                           + (" (first step after restore)" if rep.get("first_after_restore") else "")
+                           + f" t={time.perf_counter() - t0:.0f}s")
+                last_s = time.perf_counter() - ts
+                _write_json(args.json_path, doc_now())
+                if args.restore_at is not None and rep["step"] == args.restore_at and i + 1 < args.steps:
+                    with tempfile.TemporaryDirectory() as d:
+                        path = os.path.join(d, "ckpt.pt")
+                        run.save(path)
+                        run = RLRun.load(path, device, preset=run.preset)
+                    restored_at = rep["step"]
+                    _log(args, f"checkpoint saved after step {restored_at} and restored into a fresh run")
+            if args.save:
+                run.save(args.save)
+            mine = reports[n_before:]
+            per_seed.append({"seed": run.seed, "steps_run": len(mine), "tokens": sum(r["tokens"] for r in mine),
+                             "tokens_differ": sum(r["tokens_differ"] for r in mine),
+                             "steps_diff_zero": sum(1 for r in mine if r["bitwise_equal"]),
+                             "control_same_inputs_equal": probe["same_inputs"]["equal"] if probe else None})
     elapsed = time.perf_counter() - t0
     ok_steps = [r for r in reports if r["bitwise_equal"]]
     ran = len(reports)
-    if args.baseline:
-        passed = any(not r["bitwise_equal"] for r in reports)
+    if args.baseline:  # every seed saw a difference, and on equal inputs the two sides' ops were equal
+        confounded = [p["seed"] for p in probes if not p["same_inputs"]["equal"]]
+        passed = (not confounded and bool(per_seed)
+                  and all(s["tokens_differ"] > 0 for s in per_seed if s["steps_run"] > 0)
+                  and any(s["steps_run"] > 0 for s in per_seed))
     else:  # every step that ran had diff = 0 (all requested ones, unless the time budget stopped the run)
-        passed = failure is None and ran > 0 and len(ok_steps) == ran and (ran == args.steps or stopped_by_budget)
+        confounded = []
+        passed = failure is None and ran > 0 and len(ok_steps) == ran and (ran == args.steps * n_seeds
+                                                                          or stopped_by_budget)
     print(format_table(reports))
     if args.baseline:
         for k, v in _baseline_kernels().items():
             print(f"baseline kernel: {k}: {v}")
 
     verdict = ("PASS" if passed else "FAIL")
-    what = "negative control: diff > 0 observed" if args.baseline and passed else \
-        "negative control: NO difference observed (the check cannot see a difference!)" if args.baseline else \
-        f"diff = 0 on {len(ok_steps)}/{ran} steps run" + (f" (time budget reached: {ran} of {args.steps} requested)"
-                                                           if stopped_by_budget else "")
+    sd = f" over {len(per_seed)} seeds" if n_seeds > 1 else ""
+    if args.baseline and confounded:
+        what = (f"negative control CONFOUNDED: on equal inputs the two sides' ops differ (seeds {confounded}); "
+                "the diff does not isolate batch / phase dependence")
+    elif args.baseline and passed:
+        what = f"negative control: diff > 0 observed{sd}, and the two sides' ops agree on equal inputs"
+    elif args.baseline:
+        what = "negative control: NO difference observed (the check cannot see a difference!)"
+    else:
+        what = f"diff = 0 on {len(ok_steps)}/{ran} steps run{sd}" + (
+            f" (time budget reached: {ran} of {args.steps * n_seeds} requested)" if stopped_by_budget else "")
     print(f"{verdict}: {what} ({elapsed:.1f} s)", flush=True)
     doc = doc_now(passed)
-    doc["config"], doc["seed"] = run.preset.name, run.seed
+    doc["config"], doc["seed"] = run.preset.name, per_seed[0]["seed"] if per_seed else seeds[0]
     _write_json(args.json_path, doc)
     return 0 if passed else 1
+
+
+def cmd_locate(args) -> int:
+    import dataclasses
+
+    variants = _kernel_variants(args)
+    from .model.config import default_preset_name
+    from .model.ops import MODES
+    from .rl.locate import locate
+    from .rl.loop import RLRun
+
+    cfg_name = args.config or default_preset_name()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    mode = args.mode or ("baseline" if args.baseline else "consistent")
+    preset = _packed_preset(cfg_name, args.train_packing)
+    if args.prompts:
+        preset = preset.replace(rollout=dataclasses.replace(preset.rollout, prompts_per_step=args.prompts))
+    t0 = time.perf_counter()
+    with _cpu_threads(device):
+        run = RLRun(preset, args.seed, mode, device, stop_on_diff=False)
+        for _ in range(args.steps_before):
+            run.run_step()
+        try:
+            res = locate(run, plant=args.plant_divergence)
+        except ValueError as e:
+            print(str(e), file=sys.stderr)
+            return 2
+    div = res["divergence"]
+    doc = {"command": "locate", "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "device": _device_name(device), "config": cfg_name, "seed": args.seed, "mode": mode,
+           "ops": {"rollout": MODES[mode][0].__name__, "train": MODES[mode][1].__name__},
+           "kernel_variants": variants, "train_packing": args.train_packing, "torch": torch.__version__,
+           "elapsed_s": round(time.perf_counter() - t0, 2), **res}
+    head = f"zerodiff locate: config={cfg_name} mode={mode} seed={args.seed} step={res['step']}: " \
+           f"{res['ops_compared']} ops compared over {res['tokens']} tokens: "
+    if div is None:
+        msg = head + f"no op differs; log-probs bitwise equal ({res['logprobs']['tokens']} tokens)"
+    elif div["op"] == "logprobs":
+        msg = head + f"every op equal, the log-probs differ ({div['tokens_differ']} of {div['tokens_compared']})"
+    else:
+        msg = head + (f"FIRST DIVERGING OP {div['op']} (layer {div['layer']}): request {div['request']} position "
+                      f"{div['position']} coordinate {div['coordinate']}: rollout {div['rollout_value']!r} train "
+                      f"{div['train_value']!r}; max |diff| {div['max_abs_diff']:.3g} over {div['tokens_differ']} of "
+                      f"{div['tokens_compared']} tokens; the {div['ops_before_equal']} ops before it equal on every "
+                      f"token")
+    if args.plant_divergence:
+        doc["planted_found"] = div is not None and div["op"] == args.plant_divergence
+        msg += f" [planted {args.plant_divergence}: {'found' if doc['planted_found'] else 'NOT FOUND'}]"
+    print(msg, file=sys.stderr, flush=True)
+    print(json.dumps(doc, indent=1, default=str), flush=True)
+    _write_json(args.json_path, doc)
+    if args.plant_divergence:
+        return 0 if doc["planted_found"] else 1
+    return 0 if div is None else 1
 
 
 def cmd_bench(args) -> int:

@@ -8,9 +8,11 @@ Modes
   is computed by the same functions on both sides; every op is per token / per row, so it never depends on
   the batch. On CPU tensors the zerodiff ops run their reference backends; CPU reference calls whose
   float64 internals could depend on the tensor shape (mHC, SiLU) are run on fixed 64-row chunks.
-* :class:`BaselineRolloutOps` / :class:`BaselineTrainOps` (``"baseline"``): the NEGATIVE CONTROL. The
-  frozen per-op choice (stock inference-style on the rollout side, stock training-style on the training
-  side) is :data:`BASELINE_CHOICE`; the diff must be > 0 with it.
+* :class:`BaselineRolloutOps` (``"baseline"``): the NEGATIVE CONTROL, the frozen stock per-op choice
+  :data:`BASELINE_CHOICE` on BOTH sides (same kernels, same precision: the diff, which must be > 0, comes only
+  from the stock kernels' batch and phase dependence). :class:`BaselineTrainOps` holds stock training-style
+  paths; paired with the inference ones (``"baseline_mixed"``, see :data:`MODES`) it mixes precision into the
+  diff, so it is not the control.
 
 Binding table (switching an op from INTERIM to the real module is the one marked line per op below)::
 
@@ -106,25 +108,26 @@ INTERIM_OPS = ("CPU only: rms_norm, bf16_gemm, router_gemm, token_logprobs, spar
 #: The frozen baseline (negative control and throughput reference), per op. CUDA rows are the fast stock paths
 #: of DESIGN.md's baseline table (zerodiff.model.baseline_cuda); CPU rows are torch stand-ins for CI only.
 BASELINE_CHOICE = {
-    "fp8 linear": "rollout CUDA: stock per-token-group FP8 act quant (1x128, amax/448; one fused kernel) + DeepGEMM "
-                  "fp8_gemm_nt (M-dependent kernel choice allowed); CPU: BF16 F.linear on a cached dequantised "
-                  "copy; training: FP32 matmul of the BF16 activation with the dequantised weight",
-    "moe experts": "rollout CUDA: DeepGEMM m_grouped_fp8_gemm_nt_masked in captured decode graphs (capacity = padded "
-                   "batch), _contiguous (128-aligned) in eager steps, stock act quant, stock BF16 SiLU*mul -> group "
-                   "quant, FP32 combine as one (y * w).sum(1); CPU: per-expert BF16 F.linear; training: FP32 "
-                   "swiglu on dequantised weights, no FP8",
-    "router": "stock FP32 F.linear (both sides)",
-    "expert / DSA top-k": "torch.topk (both sides)",
-    "silu*mul": "rollout: BF16 F.silu(g) * u (two roundings) then the stock group quant; training: FP32 swiglu, no FP8",
-    "attention": "rollout CUDA: decode tokens -> FlashMLA flash_mla_with_kvcache (FP8 sparse decode, its split-KV "
+    "pairing": "the same stock ops on both sides (rollout and training forward, BaselineRolloutOps): equal kernels "
+               "and precision, so a difference comes only from the stock kernels' dependence on the batch and the "
+               "phase; the training side adds the same STE backward as the consistent mode",
+    "fp8 linear": "CUDA: stock per-token-group FP8 act quant (1x128, amax/448; one fused kernel) + DeepGEMM "
+                  "fp8_gemm_nt (M-dependent kernel choice allowed); CPU: BF16 F.linear on a cached dequantised copy",
+    "moe experts": "CUDA: DeepGEMM m_grouped_fp8_gemm_nt_masked in captured decode graphs (capacity = padded batch), "
+                   "_contiguous (128-aligned) in eager steps, stock act quant, stock BF16 SiLU*mul -> group quant, "
+                   "FP32 combine as one (y * w).sum(1); CPU: per-expert BF16 F.linear",
+    "router": "stock FP32 F.linear",
+    "expert / DSA top-k": "torch.topk",
+    "silu*mul": "BF16 F.silu(g) * u (two roundings) then the stock group quant",
+    "attention": "CUDA: decode tokens -> FlashMLA flash_mla_with_kvcache (FP8 sparse decode, its split-KV "
                  "scheduler; one metadata per layer and padded batch in captured graphs), prefill tokens -> torch "
                  "dequant of the requests' FP8 cache + FlashMLA flash_mla_sparse_fwd; CPU: FP32 softmax prefill, "
-                 "torch split-K decode with a batch-size dependent split; training: dense FP32 attention over "
-                 "the fresh BF16 K/V (never through FP8) masked to the selected positions",
+                 "torch split-K decode with a batch-size dependent split (the training forward has no decode "
+                 "tokens: its rows take the prefill path)",
     "DSA indexer": "same scores as the consistent path (CUDA: zerodiff.ops.indexer.index_scores; CPU: interim), "
                    "then torch.topk",
-    "mHC": "rollout CUDA: zerodiff.ops.mhc.mhc_pre_split_baseline gemm=auto (DeepGEMM tf32_hc_prenorm_gemm as "
-           "vLLM) with the batch-size split heuristic; CPU: same with torch GEMM; training: mhc_pre_torch_eager",
+    "mHC": "CUDA: zerodiff.ops.mhc.mhc_pre_split_baseline gemm=auto (DeepGEMM tf32_hc_prenorm_gemm as vLLM) with "
+           "the batch-size split heuristic; CPU: same with torch GEMM",
     "rms norm / log-softmax / lm head": "stock torch FP32 ops (shape-dependent reductions)",
     "cuda graphs": "same policy as the consistent mode: pure-decode steps replay graphs captured per padded "
                    "batch size, mixed steps eager",
@@ -828,13 +831,20 @@ class BaselineTrainOps(BaselineRolloutOps):
         return out
 
 
+#: ops class per side of each mode. ``baseline`` (the negative control) runs the SAME stock ops on both sides, so the
+#: two sides compute with the same kernels at the same precision and differ only where a stock kernel's result
+#: depends on the batch or the phase (prefill vs decode); ``baseline_mixed`` pairs the stock inference ops with
+#: training-style ones (FP32 matmuls on dequantised weights, no FP8 SiLU, attention on fresh BF16 K/V): its diff
+#: mixes precision with batch dependence, so it is kept for comparison and is not the control.
+MODES = {"consistent": (ConsistentOps, ConsistentOps), "baseline": (BaselineRolloutOps, BaselineRolloutOps),
+         "baseline_mixed": (BaselineRolloutOps, BaselineTrainOps)}
+
+
 def make_ops(mode: str, side: str, cfg):
-    """``mode`` 'consistent' | 'baseline'; ``side`` 'rollout' | 'train'."""
-    if mode == "consistent":
-        return ConsistentOps(cfg)
-    if mode == "baseline":
-        return BaselineRolloutOps(cfg) if side == "rollout" else BaselineTrainOps(cfg)
-    raise ValueError(f"zerodiff: unknown mode {mode!r} (expected 'consistent' or 'baseline')")
+    """``mode`` one of :data:`MODES` ('consistent' | 'baseline' | 'baseline_mixed'); ``side`` 'rollout' | 'train'."""
+    if mode not in MODES:
+        raise ValueError(f"zerodiff: unknown mode {mode!r} (expected one of {sorted(MODES)})")
+    return MODES[mode][0 if side == "rollout" else 1](cfg)
 
 
 __all__ = [

@@ -164,6 +164,11 @@ class RLRun:
                    batch_sizes=sorted(set(st["batch_sizes"])), reward_mean=sum(rewards.values()) / max(1, len(rewards)),
                    rollout_s=round(t_roll, 4), train_s=round(t_train, 4),
                    rollout_tok_per_s=round(ntok / t_roll, 2) if t_roll > 0 else None)
+        pk = getattr(self.trainer, "last_packing", None)
+        if pk:
+            rep["train_micro_batches"] = len(pk)
+            rep["train_seqs_per_micro"] = [n for n, _ in pk]
+            rep["train_tokens_per_micro"] = [t for _, t in pk]
         if div is not None:
             rep["first_divergence"] = div
         g = self.engine.graphs

@@ -54,12 +54,15 @@ def is_zero(rep: dict) -> bool:
 
 def format_table(reports: list) -> str:
     """Plain-text table: one row per step."""
-    head = f"{'step':>5} {'tokens':>7} {'differ':>7} {'probs_diff_max':>15} {'probs_diff_mean':>15} " \
-           f"{'probs_diff_std':>15} {'k3_kl':>12} {'batches':>8} {'ok':>3}"
+    seeded = len({rep.get("seed") for rep in reports}) > 1
+    head = ("seed " if seeded else "") + (
+        f"{'step':>5} {'tokens':>7} {'differ':>7} {'probs_diff_max':>15} {'probs_diff_mean':>15} "
+        f"{'probs_diff_std':>15} {'k3_kl':>12} {'batches':>8} {'ok':>3}")
     lines = [head, "-" * len(head)]
     for rep in reports:
         lines.append(
-            f"{rep['step']:>5} {rep['tokens']:>7} {rep['tokens_differ']:>7} "
+            (f"{rep.get('seed')!s:>4} " if seeded else "")
+            + f"{rep['step']:>5} {rep['tokens']:>7} {rep['tokens_differ']:>7} "
             f"{rep['training/rollout_probs_diff_max']:>15.6g} {rep['training/rollout_probs_diff_mean']:>15.6g} "
             f"{rep['training/rollout_probs_diff_std']:>15.6g} {rep['rollout_corr/k3_kl']:>12.4g} "
             f"{rep.get('engine_steps', 0):>8} {'yes' if rep['bitwise_equal'] else 'NO':>3}"

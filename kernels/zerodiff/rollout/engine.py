@@ -29,6 +29,7 @@ import torch
 from ..model.cache import PagedCache
 from ..model.forward import build_step, forward_step
 from ..model.sampling import sample_tokens
+from ..rl.locate import ops_for
 
 
 @dataclass
@@ -136,7 +137,7 @@ class RolloutEngine:
                     logits = self.graphs.run(step, eager=self.emulate_graphs)
                     self.stats["graph_steps"] += int(self.graphs.disabled is None)
                 else:
-                    logits = forward_step(self.dep, step, self.cache, self.ops, record=rec)
+                    logits = forward_step(self.dep, step, self.cache, ops_for(record, self.ops, step), record=rec)
                 if events is not None:
                     events[-1][1].record()
                 # sample + log-probs for the rows that produced logits (in logits_rows order)

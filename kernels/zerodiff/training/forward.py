@@ -22,6 +22,7 @@ import torch
 from ..model.cache import PagedCache
 from ..model.forward import build_step, forward_step
 from ..model.ops import Tape
+from ..rl.locate import ops_for
 
 
 def pack(seqs, micro_tokens: int, pack_seed: int):
@@ -77,7 +78,10 @@ class TrainingForward:
         check) and may raise to stop before any gradient is applied."""
         out = {}
         self.dep.update_(self.masters)
-        for mb in pack(seqs, self.preset.train.micro_tokens, pack_seed):
+        micro = pack(seqs, self.preset.train.micro_tokens, pack_seed)
+        #: (sequences, tokens) per micro-batch of the last run: the packing the step really used
+        self.last_packing = [(len(mb), sum(len(s[1]) + len(s[2]) - 1 for s in mb)) for mb in micro]
+        for mb in micro:
             step, targets = self._step_for(mb)
             rec = None
             if record is not None:
@@ -85,8 +89,8 @@ class TrainingForward:
             self.ops.tape = Tape() if grad else None
             try:
                 with torch.set_grad_enabled(grad):
-                    logits = forward_step((self.dep, self.masters if grad else None), step, self.cache, self.ops,
-                                          record=rec)
+                    logits = forward_step((self.dep, self.masters if grad else None), step, self.cache,
+                                          ops_for(record, self.ops, step), record=rec)
                     lp = self.ops.logprobs(logits, targets)
                 lens = [len(s[2]) for s in mb]
                 parts = torch.split(lp, lens)
