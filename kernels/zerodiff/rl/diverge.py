@@ -37,3 +37,10 @@ def first_divergence(rollout: Recorder, train: Recorder) -> dict | None:
             return {"layer": name, "request": k[0], "position": int(k[1]), "rows_differ": len(bad),
                     "rows_compared": len(common), "max_abs": float((da - db).abs().max())}
     return None
+
+
+def ops_for(record, ops, step):
+    """What the engine and the training forward pass to ``forward_step``: the recording proxy when ``record``
+    asks for op-level rows, else ``ops`` itself."""
+    wrap = getattr(record, "ops_for", None)
+    return ops if wrap is None else wrap(ops, step)

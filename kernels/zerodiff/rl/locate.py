@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .diverge import Recorder
+from .diverge import Recorder, ops_for  # noqa: F401 - ops_for re-exported
 
 #: ops the proxy records (the calls ``forward_step`` makes on its ops object)
 RECORDED_OPS = ("embed", "mhc_pre", "rms_norm", "fp8_linear", "bf16_linear", "rope", "indexer_topk", "attention",
@@ -169,13 +169,6 @@ class OpRecorder(Recorder):
         """Rows of op ``name`` for request ``key`` at ``positions``, stacked."""
         d = self.op_rows[name]
         return torch.stack([d[(key, int(p))] for p in positions])
-
-
-def ops_for(record, ops, step):
-    """What the engine and the training forward pass to ``forward_step``: the recording proxy when ``record``
-    asks for op-level rows, else ``ops`` itself."""
-    wrap = getattr(record, "ops_for", None)
-    return ops if wrap is None else wrap(ops, step)
 
 
 def first_op_divergence(rollout: OpRecorder, train: OpRecorder) -> dict | None:

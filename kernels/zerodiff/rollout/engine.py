@@ -29,7 +29,7 @@ import torch
 from ..model.cache import PagedCache
 from ..model.forward import build_step, forward_step
 from ..model.sampling import sample_tokens
-from ..rl.locate import ops_for
+from ..rl.diverge import ops_for
 
 
 @dataclass

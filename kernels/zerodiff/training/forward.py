@@ -22,7 +22,7 @@ import torch
 from ..model.cache import PagedCache
 from ..model.forward import build_step, forward_step
 from ..model.ops import Tape
-from ..rl.locate import ops_for
+from ..rl.diverge import ops_for
 
 
 def pack(seqs, micro_tokens: int, pack_seed: int):
