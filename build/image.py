@@ -19,6 +19,8 @@ manifest  ``--write FILE`` (inside the image, at build time): the installed vers
           pinned ones, the pins, the sha256 of every patch and series file, the overlay records of the patched
           files, the zerodiff commit, arch and platform. ``--image TAG``: print the manifest of a built image.
           Neither: print what the checkout would put in one (pins and patches; no installed versions).
+fetch     Put the pinned vLLM and megatron-core wheels of ``--platform`` into build/downloads (``ZD_DOWNLOADS``),
+          fetched with pip when missing and sha256-checked: what tests/test_image.py lays the series over (.ci/run).
 base      Check ``CUDA_IMAGE_SHA256`` against the registry: the sha256 of the raw index manifest of
           ``CUDA_IMAGE:CUDA_IMAGE_TAG`` (``docker buildx imagetools inspect --raw`` or ``skopeo inspect --raw``)
           must be the pinned one and list linux/amd64 and linux/arm64; ``--record`` then writes today's date into
@@ -27,7 +29,7 @@ base      Check ``CUDA_IMAGE_SHA256`` against the registry: the sha256 of the ra
 Exit status 0 on success, 1 with ``ERROR: ...`` on a refusal (unverified base, no engine, a version that is not
 pinned, ...), otherwise the engine's own status. Standard library only (``manifest --write`` runs in the image).
 
-usage: image.py {args,build,check,manifest,base} [options]   (image.py SUBCOMMAND --help for each)
+usage: image.py {args,build,check,manifest,fetch,base} [options]   (image.py SUBCOMMAND --help for each)
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ import sysconfig
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _buildlib import REPO, BuildError, load_pins, main_wrapper, patches_dir, say, sha256_file  # noqa: E402
+from _buildlib import (REPO, BuildError, downloads_dir, load_pins, main_wrapper, patches_dir, pip_download,  # noqa: E402
+                       say, sha256_file, verify_sha256, wheel_platform)
 
 DOCKERFILE = REPO / "Dockerfile"
 #: where the image keeps its manifest (the Dockerfile's ZERODIFF_IMAGE_MANIFEST)
@@ -305,6 +308,36 @@ def write_manifest(path: Path, commit: str, dirty: str, arch: str, site: Path | 
     return m
 
 
+# -------------------------------------------------------------------------------------------------- fetch
+def pinned_wheels(pins: dict[str, str], plat: str) -> list[tuple[str, str, str]]:
+    """(file name, sha256, requirement) of the vLLM and megatron-core wheels build/pins names for ``plat``."""
+    sfx = "" if plat == "amd64" else "_" + plat.upper()
+    return [(pins[f"VLLM_WHEEL{sfx}"], pins[f"VLLM_WHEEL{sfx}_SHA256"], f"vllm=={pins['VLLM_VERSION']}"),
+            (pins[f"MEGATRON_WHEEL{sfx}"], pins[f"MEGATRON_WHEEL{sfx}_SHA256"],
+             f"megatron-core=={pins['MEGATRON_VERSION']}")]
+
+
+def fetch_wheels(pins: dict[str, str], plat: str, offline: bool) -> list[Path]:
+    """build/downloads/<wheel> for each of :func:`pinned_wheels`, fetched when missing, sha256-checked."""
+    out = []
+    for name, sha, req in pinned_wheels(pins, plat):
+        path = downloads_dir() / name
+        if not path.exists():
+            if offline:
+                raise BuildError(f"{path} is missing and ZD_OFFLINE=1 forbids downloading it")
+            abi = name[: -len(".whl")].split("-")[-2]
+            py = pins["RUNTIME_PYTHON"] if abi.startswith("cp") else None  # a CPython-specific wheel
+            say(f"fetching {name} with pip")
+            got = pip_download(req, path.parent, platforms=tuple(wheel_platform(name).split(".")),
+                               python_version=py, what=name)
+            if got.name != name:
+                raise BuildError(f"pip fetched {got.name} for {req!r}, build/pins names {name}: fix build/pins")
+        verify_sha256(path, sha, name)
+        say(f"{path}: sha256 ok")
+        out.append(path)
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- base
 def raw_manifest(ref: str, engine: str | None) -> tuple[bytes, str]:
     """The registry's raw manifest bytes for ``ref`` and the command that read them."""
@@ -399,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--site", type=Path, help="with --write: site-packages (default: this Python's)")
     p.add_argument("--image", metavar="TAG", help="print the manifest of this built image")
     p.add_argument("--engine", choices=ENGINES)
+    p = sub.add_parser("fetch", help="the pinned vLLM and megatron-core wheels into build/downloads (sha256-checked)")
+    target(p)
+    p.add_argument("--offline", action="store_true", help="never download (same as ZD_OFFLINE=1)")
     p = sub.add_parser("base", help="check the pinned base digest against the registry")
     p.add_argument("--engine", choices=ENGINES)
     p.add_argument("--record", action="store_true", help="on a match, set CUDA_IMAGE_VERIFIED to today's date")
@@ -450,6 +486,9 @@ def main(argv: list[str] | None = None) -> int:
             m = make_manifest(pins, site=None, versions=None, commit=commit, dirty=dirty, arch=None,
                               python=pins["RUNTIME_PYTHON"], machine="linux/" + "|".join(PLATFORMS))
             print(json.dumps(m, indent=1, sort_keys=True))
+            return 0
+        if a.cmd == "fetch":
+            fetch_wheels(pins, a.platform, a.offline or os.environ.get("ZD_OFFLINE") == "1")
             return 0
         return verify_base(a.engine, a.record)
 
