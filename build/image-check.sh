@@ -7,6 +7,8 @@
 # Steps, each one run even when an earlier one failed, each with its own log in OUTDIR:
 #   manifest     the image's manifest (/opt/zerodiff/manifest.json) copied to OUTDIR
 #   doctor       zerodiff doctor --json (torch, Triton, CUDA, compute capability, backends, pins)
+#   imports      vLLM, megatron-core and DeepEP import with ZERODIFF_CONSISTENT=1 on the GPU machine (DeepEP needs the
+#                driver's libcuda, which the build had not)
 #   gpu-suite    build/gpu-suite.sh --quick (every gpu test file in its own pytest process, then the benchmarks)
 #   warmup       zerodiff warmup (DeepGEMM's kernels compiled ahead; its failure alone does not fail the check,
 #                as in `make e2e-check`: the check compiles what is missing)
@@ -39,6 +41,7 @@ step() {  # step NAME [--advisory] CMD...: run CMD, log to OUTDIR/NAME.log, reco
 manifest=${ZERODIFF_IMAGE_MANIFEST:-/opt/zerodiff/manifest.json}
 step manifest cp "$manifest" "$OUTDIR/manifest.json"
 step doctor zerodiff doctor --json
+step imports env ZERODIFF_CONSISTENT=1 python -c "import vllm, megatron.core, deep_ep; print('vllm', vllm.__version__)"
 step gpu-suite env OUT="$OUTDIR/gpu-suite" build/gpu-suite.sh --quick
 step warmup --advisory zerodiff warmup
 step check zerodiff check --json "$OUTDIR/check.json"

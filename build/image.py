@@ -12,8 +12,8 @@ build     Check that the pinned base digest is verified (``CUDA_IMAGE_VERIFIED``
           Dockerfile for ``--platform linux/<PLATFORM>`` with those arguments; ``--dry-run`` prints the command
           instead (no engine needed). ``make image ARCH=sm_90a|sm_100a PLATFORM=amd64|arm64``.
 check     Run build/image-check.sh inside a built image with every GPU (docker ``--gpus all``, podman
-          ``--device nvidia.com/gpu=all``): ``zerodiff doctor``, ``build/gpu-suite.sh --quick``, ``zerodiff
-          check``, ``zerodiff vllm-check``; results in ``--out`` (default results/image-check-<date>).
+          ``--device nvidia.com/gpu=all``): ``zerodiff doctor``, the imports (vLLM, megatron-core, DeepEP),
+          ``build/gpu-suite.sh --quick``, ``zerodiff check``, ``zerodiff vllm-check``; results in ``--out`` (default results/image-check-<date>).
           ``make image-check``.
 manifest  ``--write FILE`` (inside the image, at build time): the installed versions, refused unless they are the
           pinned ones, the pins, the sha256 of every patch and series file, the overlay records of the patched

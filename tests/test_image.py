@@ -329,9 +329,11 @@ def fake_checkout(tmp_path: Path, fail: tuple[str, ...] = ()) -> tuple[Path, dic
     suite.write_text("#!/bin/sh\necho suite \"$@\" OUT=$OUT\n" + ("exit 3\n" if "gpu-suite" in fail else ""))
     bindir = tmp_path / "bin"
     bindir.mkdir()
+    py = bindir / "python"  # the imports step's python: a stand-in that records its arguments
+    py.write_text("#!/bin/sh\necho python ZERODIFF_CONSISTENT=$ZERODIFF_CONSISTENT \"$@\"\n")
     zd = bindir / "zerodiff"
     zd.write_text("#!/bin/sh\necho zerodiff \"$@\"\ncase \" $ZD_FAIL \" in *\" $1 \"*) exit 7;; esac\n")
-    for f in (suite, zd):
+    for f in (suite, zd, py):
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
     manifest = tmp_path / "manifest.json"
     manifest.write_text("{}\n")
@@ -349,13 +351,14 @@ def test_image_check_script_runs_every_step_and_reports(tmp_path, fail, rc):
     assert p.returncode == rc, p.stdout + p.stderr
     summary = (out / "summary.txt").read_text()
     steps = [l.split()[0] for l in summary.splitlines()]
-    assert steps == ["manifest", "doctor", "gpu-suite", "warmup", "check", "vllm-check"]
+    assert steps == ["manifest", "doctor", "imports", "gpu-suite", "warmup", "check", "vllm-check"]
     for line in summary.splitlines():
         name = line.split()[0]
         want = 0 if name not in fail else (3 if name == "gpu-suite" else 7)
         assert f"rc={want}" in line, line
     assert (out / "manifest.json").exists()
     assert f"OUT={out}/gpu-suite" in (out / "gpu-suite.log").read_text()
+    assert "ZERODIFF_CONSISTENT=1 -c import vllm, megatron.core, deep_ep" in (out / "imports.log").read_text()
     assert f"zerodiff vllm-check --json {out}/vllm-check.json" in (out / "vllm-check.log").read_text()
     assert ("PASSED" if rc == 0 else "FAILED") in p.stdout
 
