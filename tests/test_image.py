@@ -70,8 +70,10 @@ def hadolint() -> str:
 
 
 def lint(exe: str, path: Path, *extra: str) -> tuple[int, list[dict]]:
+    """hadolint's findings on ``path`` with its built-in rules only (no user or XDG config file is read)."""
+    env = {**os.environ, "HOME": os.devnull, "XDG_CONFIG_HOME": os.devnull}
     p = subprocess.run([exe, "--no-color", "-f", "json", *extra, str(path)], text=True, capture_output=True,
-                       cwd=path.parent)
+                       cwd=path.parent, env=env)
     return p.returncode, json.loads(p.stdout or "[]")
 
 
@@ -189,8 +191,9 @@ def test_make_image_args_is_image_py_args():
     make = shutil.which("make")
     if make is None:
         pytest.skip("make is not installed")
-    env = {**os.environ, "VENV": str(Path(sys.executable).parent.parent)}
-    r = subprocess.run([make, "-s", "image-args", "ARCH=sm_100a", "PLATFORM=arm64"], cwd=REPO, text=True,
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env["VENV"] = str(Path(sys.executable).parent.parent)
+    r = subprocess.run([make, "-s", "--no-print-directory", "image-args", "ARCH=sm_100a", "PLATFORM=arm64"], cwd=REPO, text=True,
                        capture_output=True, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout == run(str(BUILD / "image.py"), "args", "--arch", "sm_100a").stdout
