@@ -6,10 +6,10 @@
 # (`make image-args` prints them); none has a default, and the first RUN of each stage refuses an empty one, so a
 # build that bypasses build/image.py stops at once instead of taking some other version.
 #
-# Stages: base (CUDA devel + the OS Python + torch / Triton / NVSHMEM / NCCL, held by a pip constraints file),
-# deepep (DeepEP at its pinned commit, compiled for TORCH_CUDA_ARCH_LIST), image (the final one: vLLM and
-# megatron-core from their sha256-pinned wheels, the zerodiff series laid over their installed Python, DeepEP,
-# zerodiff, a smoke test and /opt/zerodiff/manifest.json).
+# Stages: base (CUDA devel + the OS Python + torch / Triton / NVSHMEM / NCCL / cuda-bindings, held by a pip
+# constraints file), deepep (DeepEP at its pinned commit, compiled for TORCH_CUDA_ARCH_LIST), image (the final one:
+# vLLM and megatron-core from their sha256-pinned wheels, the zerodiff series laid over their installed Python,
+# DeepEP, zerodiff, a smoke test and /opt/zerodiff/manifest.json).
 
 ARG CUDA_IMAGE
 ARG CUDA_IMAGE_TAG
@@ -22,6 +22,7 @@ ARG TORCH_IMAGE_VERSION
 ARG TRITON_IMAGE_VERSION
 ARG NVSHMEM_VERSION
 ARG NCCL_VERSION
+ARG CUDA_BINDINGS_IMAGE_VERSION
 ARG SETUPTOOLS_IMAGE_VERSION
 ARG TORCH_CUDA_ARCH_LIST
 SHELL ["/bin/bash", "-euo", "pipefail", "-c"]
@@ -39,7 +40,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # Triton, the kernels) is pinned by the base digest and the pip pins.
 # hadolint ignore=DL3008
 RUN : "${RUNTIME_PYTHON:?}" "${TORCH_IMAGE_VERSION:?}" "${TRITON_IMAGE_VERSION:?}" "${NVSHMEM_VERSION:?}" \
-      "${NCCL_VERSION:?}" "${SETUPTOOLS_IMAGE_VERSION:?}" "${TORCH_CUDA_ARCH_LIST:?}" \
+      "${NCCL_VERSION:?}" "${CUDA_BINDINGS_IMAGE_VERSION:?}" "${SETUPTOOLS_IMAGE_VERSION:?}" "${TORCH_CUDA_ARCH_LIST:?}" \
     && apt-get update \
     && apt-get install -y --no-install-recommends \
         "python${RUNTIME_PYTHON}" "python${RUNTIME_PYTHON}-venv" "python${RUNTIME_PYTHON}-dev" \
@@ -48,10 +49,10 @@ RUN : "${RUNTIME_PYTHON:?}" "${TORCH_IMAGE_VERSION:?}" "${TRITON_IMAGE_VERSION:?
     && "python${RUNTIME_PYTHON}" -m venv "${VIRTUAL_ENV}" \
     && printf '%s\n' "torch==${TORCH_IMAGE_VERSION}" "triton==${TRITON_IMAGE_VERSION}" \
         "nvidia-nvshmem-cu13==${NVSHMEM_VERSION}" "nvidia-nccl-cu13==${NCCL_VERSION}" \
-        "setuptools==${SETUPTOOLS_IMAGE_VERSION}" > "${PIP_CONSTRAINT}" \
+        "cuda-bindings==${CUDA_BINDINGS_IMAGE_VERSION}" "setuptools==${SETUPTOOLS_IMAGE_VERSION}" > "${PIP_CONSTRAINT}" \
     && pip install --no-cache-dir "torch==${TORCH_IMAGE_VERSION}" "triton==${TRITON_IMAGE_VERSION}" \
         "nvidia-nvshmem-cu13==${NVSHMEM_VERSION}" "nvidia-nccl-cu13==${NCCL_VERSION}" \
-        "setuptools==${SETUPTOOLS_IMAGE_VERSION}"
+        "cuda-bindings==${CUDA_BINDINGS_IMAGE_VERSION}" "setuptools==${SETUPTOOLS_IMAGE_VERSION}"
 
 # ---------------------------------------------------------------------------------------------------- deepep
 FROM base AS deepep

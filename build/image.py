@@ -75,6 +75,7 @@ PINNED_DISTS = {
     "megatron-core": "MEGATRON_VERSION",
     "nvidia-nvshmem-cu13": "NVSHMEM_VERSION",
     "nvidia-nccl-cu13": "NCCL_VERSION",
+    "cuda-bindings": "CUDA_BINDINGS_IMAGE_VERSION",
     "setuptools": "SETUPTOOLS_IMAGE_VERSION",
     "pytest": "PYTEST_IMAGE_VERSION",
 }
