@@ -15,7 +15,7 @@ export VLLM_SRC MEGATRON_SRC VENV
 
 .DEFAULT_GOAL := all
 .PHONY: all help venv sources apply unapply check-patches summary e2e-check kernels-from-wheel doctor \
-        vllm-runtime vllm-runtime-lock test test-gpu clean
+        vllm-runtime vllm-runtime-lock test test-gpu clean image image-check image-args
 
 all: venv sources apply check-patches summary e2e-check ## the main job: venv, sources, apply, check-patches, summary, end-to-end check
 
@@ -27,6 +27,7 @@ help: ## list the targets
 	@echo "  Variables: VLLM_SRC=/path/to/your/vllm MEGATRON_SRC=/path/to/your/megatron (use your fork, 3-way merge),"
 	@echo "             VENV=.venv, TORCH_INDEX_URL=<extra pip index for the CPU torch wheel>, PYTEST_ARGS=...,"
 	@echo "             DSV4=1 (vllm-runtime: also the DeepSeek-V4 set: TileLang, CuTeDSL, QuACK), VLLM_RUNTIME_ARGS=... (e.g. --part-mib 50)"
+	@echo "             ARCH=sm_90a|sm_100a PLATFORM=amd64|arm64 IMAGE_TAG=... IMAGE_ENGINE=docker|podman (image targets)"
 
 venv: ## create/refresh the virtual environment (.venv); instant when up to date
 	@build/venv.sh
@@ -61,6 +62,22 @@ vllm-runtime: ## patched vLLM + its missing wheels + zerodiff for an offline GPU
 
 vllm-runtime-lock: ## re-resolve build/vllm-runtime.lock (the exact dependency wheels vllm-runtime carries; needs PyPI)
 	@$(BUILD_PY) build/vllm_runtime.py --lock
+
+# the Docker image (build/image.py; versions from build/pins): ARCH=sm_90a|sm_100a PLATFORM=amd64|arm64
+ARCH ?= sm_90a
+PLATFORM ?= amd64
+IMAGE_TAG ?=
+IMAGE_ENGINE ?=
+IMAGE_OPTS = --arch $(ARCH) --platform $(PLATFORM) $(if $(IMAGE_ENGINE),--engine $(IMAGE_ENGINE))
+
+image: ## build the Docker image for ARCH=sm_90a|sm_100a PLATFORM=amd64|arm64 (docker or podman; IMAGE_TAG=...)
+	@$(BUILD_PY) build/image.py build $(IMAGE_OPTS) $(if $(IMAGE_TAG),--tag $(IMAGE_TAG))
+
+image-check: ## in the built image, on every GPU: zerodiff doctor, gpu-suite --quick, zerodiff check, vllm-check
+	@$(BUILD_PY) build/image.py check $(IMAGE_OPTS) $(if $(IMAGE_TAG),--tag $(IMAGE_TAG))
+
+image-args: ## print the image's --build-arg lines, all from build/pins (ARCH=..., PLATFORM=...)
+	@$(BUILD_PY) build/image.py args --arch $(ARCH) --platform $(PLATFORM)
 
 doctor: venv ## what this machine can run (torch, Triton, CUDA, backends, pins)
 	@$(ZD) doctor

@@ -34,7 +34,7 @@ REQUIRED_KEYS = (
 )
 
 _KEY_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
-_VALUE_RE = re.compile(r"^[A-Za-z0-9._+\-]+$")
+_VALUE_RE = re.compile(r"^[A-Za-z0-9._+/\-]+$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _COMMIT_RE = re.compile(r"^[0-9a-f]{7,40}$")
 
