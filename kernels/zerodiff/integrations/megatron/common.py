@@ -22,3 +22,16 @@ def _check_versions(ctx, *ts):
             f"{ctx.zd_versions} -> {now}); the backward would differentiate other weights than the forward "
             "used. Run the optimizer step only after backward.")
 
+
+def _linear_ste_backward(ctx, g):
+    """The straight-through backward of ``y = x2 @ w.T`` against the master ``ctx.zd_weight`` (weight-version
+    check first), in FP32: ``(grad_x2, grad_w)``, each None where autograd does not need it (``needs_input_grad``
+    positions 0 and 1)."""
+    w = ctx.zd_weight
+    _check_versions(ctx, w)
+    (x2,) = ctx.saved_tensors
+    g = g.float()
+    gx = (g @ w.float()).to(x2.dtype) if ctx.needs_input_grad[0] else None
+    gw = (g.t() @ x2.float()).to(w.dtype) if ctx.needs_input_grad[1] else None
+    return gx, gw
+

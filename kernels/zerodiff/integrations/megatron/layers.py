@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ConfigError
-from .common import _check_versions, _versions
+from .common import _check_versions, _linear_ste_backward, _versions
 from .guard import _SCORES
 
 __all__ = ["router_logits", "topk_routing", "swiglu", "mlp_activation", "RMSNorm", "rms_norm"]
@@ -27,13 +27,7 @@ class _RouterGemm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        w = ctx.zd_weight
-        _check_versions(ctx, w)
-        (x2,) = ctx.saved_tensors
-        g = g.float()
-        gx = (g @ w.float()).to(x2.dtype) if ctx.needs_input_grad[0] else None
-        gw = (g.t() @ x2.float()).to(w.dtype) if ctx.needs_input_grad[1] else None
-        return gx, gw
+        return _linear_ste_backward(ctx, g)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,7 +38,7 @@ import os
 import torch
 
 from .. import ConfigError
-from .common import _check_versions, _versions
+from .common import _linear_ste_backward, _versions
 
 __all__ = ["FP8_UE8M0", "fp8_gemm_backend", "moe_backend", "deploy_fp8", "fp8_linear", "Fp8Linear",
            "bf16_linear", "lm_head_logits", "FP8_ATTR", "mark_fp8_linears", "mark_bf16_linears",
@@ -80,13 +80,7 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        master = ctx.zd_weight
-        _check_versions(ctx, master)
-        (x2,) = ctx.saved_tensors
-        g = g.float()
-        gx = (g @ master.float()).to(x2.dtype) if ctx.needs_input_grad[0] else None
-        gw = (g.t() @ x2.float()).to(master.dtype) if ctx.needs_input_grad[1] else None
-        return gx, gw, None
+        return (*_linear_ste_backward(ctx, g), None)
 
 
 def fp8_linear(x: torch.Tensor, master_weight: torch.Tensor, fp8_weight) -> torch.Tensor:
@@ -154,13 +148,7 @@ class _Bf16Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        w = ctx.zd_weight
-        _check_versions(ctx, w)
-        (x2,) = ctx.saved_tensors
-        g = g.float()
-        gx = (g @ w.float()).to(x2.dtype) if ctx.needs_input_grad[0] else None
-        gw = (g.t() @ x2.float()).to(w.dtype) if ctx.needs_input_grad[1] else None
-        return gx, gw, None
+        return (*_linear_ste_backward(ctx, g), None)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
