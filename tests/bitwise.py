@@ -1,8 +1,8 @@
 """The shared kit for bitwise claims in the tests.
 
-* :func:`bits` - an integer view of a tensor's bit patterns (float8 -> uint8, bf16/fp16 -> int16, fp32 -> int32,
-  fp64 -> int64; integer tensors as they are), so ``torch.equal`` compares bits: ``-0.0 != +0.0`` and NaN
-  payloads count, which value comparison would hide.
+* :func:`bits` - ``zerodiff.rl.locate.bits``: an integer view of a tensor's bit patterns (floats by element size:
+  float8 -> uint8, bf16/fp16 -> int16, fp32 -> int32, fp64 -> int64; integer tensors as they are), so
+  ``torch.equal`` compares bits: ``-0.0 != +0.0`` and NaN payloads count, which value comparison would hide.
 * :func:`assert_bitwise_equal` - equal bits and shape, else an AssertionError naming how many values differ,
   the first differing coordinate and both values there.
 * :func:`assert_victim_in_batch` - a row computed alone equals the same row computed inside every batch given.
@@ -16,14 +16,7 @@ from typing import Callable, Iterable
 
 import torch
 
-_INT_VIEW = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8, torch.bfloat16: torch.int16,
-             torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The bit patterns of ``t`` as an integer tensor of the same shape."""
-    view = _INT_VIEW.get(t.dtype)
-    return t.view(view) if view is not None else t
+from zerodiff.rl.locate import bits  # the library's one bit view (also what `zerodiff locate` compares)
 
 
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
