@@ -64,24 +64,8 @@ fi
 if [[ ! -f "$DEST/env.sh" || $extra_ok == 0 ]]; then say "parts staged; the runtime is not complete yet"; exit 0; fi
 [[ $stage_only == 1 ]] && { say "staged (--stage-only)"; exit 0; }
 
-# shellcheck disable=SC1091
-. "$DEST/env.sh"
-if [[ -f .carry/vllm-overlay/overlay.json ]]; then
-    cp -r .carry/vllm-overlay/vllm "$DEST/site/"
-    say "overlay: $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(len(d["files"]), "patched files of", len(d["patches"]), "patches, series", d["series_sha256"][:12])' .carry/vllm-overlay/overlay.json)"
-fi
-if [[ -f "$EXTRA/.installed" ]]; then
-    # PYTHONPATH folders do not run .pth files (CuTeDSL puts its packages on sys.path through one):
-    # site.addsitedir runs them; whatever they add goes on PYTHONPATH too
-    extra_paths="$(python3 -c 'import site, sys; before = list(sys.path); site.addsitedir(sys.argv[1]); print(":".join(p for p in sys.path if p not in before))' "$EXTRA")"
-    export PYTHONPATH="${extra_paths:-$EXTRA}:${PYTHONPATH:-}"
-    say "extra wheels on PYTHONPATH: ${extra_paths:-$EXTRA}"
-fi
-export PYTHONPATH="$ROOT/kernels:${PYTHONPATH:-}"
-mkdir -p /root/zd-cache/deepgemm /root/zd-cache/triton /root/zd-cache/tilelang
-export DG_JIT_CACHE_DIR="${DG_JIT_CACHE_DIR:-/root/zd-cache/deepgemm}" TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/root/zd-cache/triton}"
-export TILELANG_CACHE_DIR="${TILELANG_CACHE_DIR:-/root/zd-cache/tilelang}"
-export PYTHONUNBUFFERED=1
+# shellcheck source=gpu/runtime-env.sh
+. "$ROOT/gpu/runtime-env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$OUT/device.txt"
 python3 -c 'import torch, vllm, zerodiff; print("torch", torch.__version__, "vllm", vllm.__version__, "zerodiff", zerodiff.__file__)' 2>&1 | tee -a "$OUT/device.txt"
 python3 -m zerodiff.cli vllm-check --json "$OUT/vllm-acceptance.json" "$@" 2>&1 | tee "$OUT/vllm-check.log"

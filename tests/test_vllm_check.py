@@ -3,6 +3,7 @@ fake engine that keeps (or breaks) batch invariance on purpose."""
 
 import json
 import struct
+import sys
 
 import pytest
 
@@ -13,8 +14,8 @@ FAKE = "fake_vllm_engine:FakeEngine"
 
 def _ckpt(tmp_path, vocab=4096):
     d = tmp_path / "ckpt"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"vocab_size": vocab, "zerodiff_preset": "fake"}))
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"vocab_size": vocab}))
     return str(d)
 
 
@@ -135,3 +136,53 @@ def test_results_are_written_before_the_engine_is_stopped(tmp_path, monkeypatch)
     assert seen["consistent"]["victim_mismatch"] == 0 and "prefill_decode_mismatch" in seen["consistent"]
     assert seen["stock"]["stock_victim_mismatch"] > 0
     assert "teardown stuck" in doc["errors"]["consistent"]
+
+
+def test_resume_runs_only_the_missing_engines_and_merges(tmp_path, monkeypatch):
+    """A run split over two commands (consistent + stock, then eager) gives the verdict of one run."""
+    monkeypatch.delenv("FAKE_VLLM_LEAK", raising=False)
+    started = []
+    real_init = vc.Worker.__init__
+
+    def counting_init(self, name, *a, **kw):
+        started.append(name)
+        real_init(self, name, *a, **kw)
+
+    monkeypatch.setattr(vc.Worker, "__init__", counting_init)
+    rc, first = _run(tmp_path, monkeypatch, "--sides", "consistent,stock")
+    assert rc == 1 and "graph_eager_mismatch" not in first and set(first["side_results"]) == {"consistent", "stock"}
+    first_path = tmp_path / "first.json"
+    first_path.write_text(json.dumps(first))
+    started.clear()
+    rc, doc = _run(tmp_path, monkeypatch, "--resume", str(first_path))
+    assert started == ["consistent_eager"]
+    assert rc == 0, doc.get("why")
+    assert doc["graph_eager_mismatch"] == 0 and doc["victim_mismatch"] == 0 and doc["stock_victim_mismatch"] > 0
+    assert doc["resumed_from"]["sides"] == ["consistent", "stock"]
+
+
+def test_resume_refuses_another_plan_and_a_bad_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("FAKE_VLLM_LEAK", raising=False)
+    rc, first = _run(tmp_path, monkeypatch, "--sides", "consistent")
+    prev = tmp_path / "prev.json"
+    prev.write_text(json.dumps(first))
+    rc = vc.main(["--checkpoint", _ckpt(tmp_path), "--concurrency", "1,2", "--victim-tokens", "6",
+                  "--engine-factory", FAKE, "--resume", str(prev)])
+    assert rc == 2 and "other requests" in capsys.readouterr().err
+    prev.write_text("{not json")
+    rc = vc.main(["--checkpoint", _ckpt(tmp_path), "--concurrency", "1,2,7", "--victim-tokens", "6",
+                  "--engine-factory", FAKE, "--resume", str(prev)])
+    assert rc == 2 and "cannot read" in capsys.readouterr().err
+
+
+def test_main_with_an_empty_argument_list_does_not_read_sys_argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["zerodiff", "--sides", "bogus"])
+    monkeypatch.setattr(vc, "cmd_vllm_check", lambda args: 7)
+    assert vc.main([]) == 7  # the defaults, not sys.argv's bad --sides (which would return 2)
+
+
+def test_a_bench_stream_longer_than_max_model_len_is_refused(tmp_path, capsys):
+    rc = vc.main(["--checkpoint", _ckpt(tmp_path), "--bench", "--bench-prompt", "1024,2048",
+                  "--bench-output", "512,1024", "--max-model-len", "2048"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--max-model-len 2048" in err and "3070 tokens" in err

@@ -18,7 +18,8 @@ imported, so each side gets a fresh interpreter), with vLLM's engine core in tha
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profiler sees its kernels. The parent never imports vLLM.
 
 Results: one JSON document (``--json``, written again after every engine so a cut-off run keeps what it
-measured) with the fields ``engine``, ``vllm_version``, ``torch``, ``device``, ``date``,
+measured; ``--resume PREVIOUS.json`` continues such a run with the engines it did not finish, e.g. when one
+command cannot hold every engine's start) with the fields ``engine``, ``vllm_version``, ``torch``, ``device``, ``date``,
 ``checkpoint_preset``, ``concurrency``, ``requests``, ``victim_tokens``, ``victim_mismatch``,
 ``prefill_decode_mismatch``, ``graph_eager_mismatch``, ``stock_victim_mismatch``,
 ``stock_prefill_decode_mismatch`` (token counts; a token counts as a mismatch when its id or its log-prob's
@@ -471,6 +472,7 @@ def run_side(label: str, *, consistent: bool, eager: bool, checkpoint: str, plan
 def summarize(doc: dict, sides: dict) -> dict:
     """Fill the acceptance fields from the per-side results present in ``sides``."""
     cg, ce, sg = sides.get("consistent"), sides.get("consistent_eager"), sides.get("stock")
+    doc["side_results"] = sides  # the raw victim results per engine: what --resume continues from
     if cg:
         doc["victim_tokens"] = len(cg["alone"]["tokens"])
         doc["victim_mismatch"], doc["cases"] = compare_cases(cg["alone"], cg["runs"])
@@ -502,9 +504,35 @@ def _write(path: str | None, doc: dict) -> None:
     tmp.replace(p)
 
 
-def _checkpoint_vocab(checkpoint: str) -> tuple[int, str | None]:
+def _checkpoint_vocab(checkpoint: str) -> int:
     cfg = json.loads((Path(checkpoint) / "config.json").read_text())
-    return int(cfg["vocab_size"]), cfg.get("zerodiff_preset")
+    return int(cfg["vocab_size"])
+
+
+def plan_fingerprint(plan: dict) -> str:
+    """A sha256 over every request of the plan: two runs can be merged only when they ran the same requests."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for case in plan["cases"]:
+        h.update(json.dumps([case["name"], case["victim_index"], [r.to_json() for r in case["requests"]]]).encode())
+    return h.hexdigest()
+
+
+def load_resume(path: str, fingerprint: str) -> tuple[dict, dict]:
+    """The per-engine results of an earlier run of the same plan (``--resume``): ``(sides, previous_doc)``.
+    Raises ``ValueError`` naming the setting when the file is unreadable or ran another plan."""
+    try:
+        prev = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume {path}: cannot read it ({e})") from None
+    if prev.get("plan_sha256") != fingerprint:
+        raise ValueError(f"--resume {path}: that run used other requests (its --seed / --concurrency / "
+                         f"--victim-tokens / checkpoint vocabulary differ); run the same plan or start afresh")
+    sides = prev.get("side_results") or {}
+    if not isinstance(sides, dict):
+        raise ValueError(f"--resume {path}: 'side_results' is not a mapping")
+    return {k: v for k, v in sides.items() if k in SIDES}, prev
 
 
 def _median_spread(xs: list[float]) -> dict:
@@ -523,7 +551,16 @@ def run_bench(args, checkpoint: str, vocab: int, doc: dict, factory=None, log=pr
                                max_num_seqs=max(args.max_num_seqs, max(args.bench_concurrency)))
             workers[label] = Worker(f"bench-{label}", side_env(consistent, args.fp8_gemm_backend), kw,
                                     factory=factory, log=log)
-        rows = []
+        # the profile first: short, it doubles as a first warm-up, and a bench cut off later still has it
+        prof_reqs = make_bench_requests(vocab, min(64, max(args.bench_concurrency)), seed=args.seed + 1,
+                                        prompt=(256, 512), output=(64, 65))
+        for label, w in workers.items():
+            w.generate(prof_reqs)  # compile / capture outside the profile
+            sides[label] = w.call("profile", requests=[r.to_json() for r in prof_reqs], top=15)["kernels"]
+        doc["bench"] = {"rows": [], "top_kernels": sides,
+                        "engine_kwargs": {k: w.info for k, w in workers.items()}}
+        _write(args.json, doc)
+        rows = doc["bench"]["rows"]
         for conc in args.bench_concurrency:
             reqs = make_bench_requests(vocab, conc, seed=args.seed, prompt=tuple(args.bench_prompt),
                                        output=tuple(args.bench_output))
@@ -542,14 +579,7 @@ def run_bench(args, checkpoint: str, vocab: int, doc: dict, factory=None, log=pr
                          "consistent_tok_s": _median_spread(tps["consistent"]),
                          "stock_tok_s": _median_spread(tps["stock"]),
                          "ratio": _median_spread(ratios)})
-            doc["bench"] = {"rows": rows}
             _write(args.json, doc)
-        prof_reqs = make_bench_requests(vocab, min(64, max(args.bench_concurrency)), seed=args.seed + 1,
-                                        prompt=(256, 512), output=(64, 65))
-        for label, w in workers.items():
-            sides[label] = w.call("profile", requests=[r.to_json() for r in prof_reqs], top=15)["kernels"]
-        doc["bench"]["top_kernels"] = sides
-        doc["bench"]["engine_kwargs"] = {k: w.info for k, w in workers.items()}
     finally:
         for w in workers.values():
             w.stop()
@@ -560,6 +590,8 @@ def cmd_vllm_check(args) -> int:
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     checkpoint = args.checkpoint
     t0 = time.time()
+    # the preset is known when this command generates the checkpoint; a given directory is reported as such
+    preset = f"unknown (--checkpoint {checkpoint})" if checkpoint else args.preset
     if checkpoint is None:
         checkpoint = str(Path(args.workdir) / f"ckpt-{args.preset}-seed{args.seed}")
         if not (Path(checkpoint) / "config.json").exists():
@@ -567,23 +599,36 @@ def cmd_vllm_check(args) -> int:
 
             log(f"writing checkpoint preset {args.preset} seed {args.seed} to {checkpoint}")
             make_checkpoint(checkpoint, args.preset, args.seed)
-    vocab, preset = _checkpoint_vocab(checkpoint)
+    vocab = _checkpoint_vocab(checkpoint)
     plan = make_victim_plan(vocab, seed=args.seed, concurrency=args.concurrency, victim_tokens=args.victim_tokens)
     doc: dict[str, Any] = {
         "engine": "vllm", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "checkpoint": checkpoint, "checkpoint_preset": preset or args.preset, "seed": args.seed,
+        "checkpoint": checkpoint, "checkpoint_preset": preset, "seed": args.seed,
         "concurrency": [int(c) for c in args.concurrency],
         "requests": sum(len(c["requests"]) for c in plan["cases"]),
         "victim_prompt_tokens": len(plan["victim"].prompt),
+        "plan_sha256": plan_fingerprint(plan),
     }
     sides: dict[str, dict] = {}
+    if args.resume:
+        try:
+            sides, prev = load_resume(args.resume, doc["plan_sha256"])
+        except ValueError as e:
+            log(f"zerodiff vllm-check: {e}")
+            return 2
+        # what the earlier run could not finish is run again here: its errors and skips are not carried over
+        if "bench" in prev and not args.bench:
+            doc["bench"] = prev["bench"]
+        doc["resumed_from"] = {"path": args.resume, "date": prev.get("date"), "sides": sorted(sides)}
+        summarize(doc, sides)
+        log(f"resuming {args.resume}: engines already measured: {', '.join(sorted(sides)) or 'none'}")
     factory = args.engine_factory
     eager_cases = {"alone"} | {c["name"] for c in plan["cases"] if c["others"] in EAGER_CONCURRENCY}
     # the negative control before the eager engine: without it the acceptance proves nothing
     order = [("consistent", True, False, None), ("stock", False, False, None),
              ("consistent_eager", True, True, eager_cases)]
     for label, consistent, eager, names in order:
-        if label not in args.sides:
+        if label not in args.sides or label in sides:
             continue
         if args.time_budget and time.time() - t0 > args.time_budget:
             doc.setdefault("skipped", []).append(label)
@@ -663,14 +708,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=0.0, help="skip engines not started after S seconds")
     p.add_argument("--bench", action="store_true", help="also time consistent vs stock (interleaved)")
     p.add_argument("--bench-concurrency", type=_int_list, default=list(DEFAULT_BENCH_CONCURRENCY))
-    p.add_argument("--bench-prompt", type=_pair, default=(1024, 2048), help="prompt length range LO,HI")
-    p.add_argument("--bench-output", type=_pair, default=(512, 1024), help="output length range LO,HI")
+    p.add_argument("--bench-prompt", type=_pair, default=(1024, 1280),
+                   help="prompt length range LO,HI (HI exclusive; 1024,1280: with --bench-output's default the "
+                   "longest request fits the tiny checkpoint's max_model_len 2048 = 4 x index_topk)")
+    p.add_argument("--bench-output", type=_pair, default=(512, 768), help="output length range LO,HI (512,768)")
     p.add_argument("--bench-repeats", type=int, default=3)
     p.add_argument("--bench-gpu-memory-utilization", type=float, default=0.4)
     p.add_argument("--fp8-gemm-backend", default="triton", choices=["triton", "deepgemm", "auto"],
                    help="zerodiff's block-FP8 GEMM backend on the consistent side (triton: no DeepGEMM JIT or "
                    "probe at start; deepgemm: after its row-invariance probe; auto: zerodiff's per-shape choice)")
     p.add_argument("--json", help="write the results here (rewritten after every engine)")
+    p.add_argument("--resume", metavar="PREVIOUS_JSON",
+                   help="continue an earlier run of the same plan: engines it measured are not run again")
     p.add_argument("--engine-factory", help=argparse.SUPPRESS)  # module:callable, for tests without a GPU
     p.set_defaults(func=_validated)
     return p
@@ -683,6 +732,12 @@ def _validated(args) -> int:
     if bad:
         print(f"zerodiff vllm-check: --sides {','.join(bad)}: unknown; choose from {','.join(SIDES)}",
               file=sys.stderr)
+        return 2
+    longest = args.bench_prompt[1] - 1 + args.bench_output[1] - 1
+    if args.bench and longest > args.max_model_len:
+        print(f"zerodiff vllm-check: --bench-prompt {args.bench_prompt[0]},{args.bench_prompt[1]} with --bench-output "
+              f"{args.bench_output[0]},{args.bench_output[1]} makes requests of up to {longest} tokens, more than "
+              f"--max-model-len {args.max_model_len}", file=sys.stderr)
         return 2
     if args.checkpoint and not (Path(args.checkpoint) / "config.json").exists():
         print(f"zerodiff vllm-check: --checkpoint {args.checkpoint}: no config.json there", file=sys.stderr)
@@ -698,7 +753,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="zerodiff")
     sub = ap.add_subparsers(dest="command")
     add_parser(sub)
-    args = ap.parse_args(["vllm-check", *(argv or sys.argv[1:])])
+    args = ap.parse_args(["vllm-check", *(sys.argv[1:] if argv is None else argv)])
     return int(args.func(args))
 
 
