@@ -186,3 +186,12 @@ def test_a_bench_stream_longer_than_max_model_len_is_refused(tmp_path, capsys):
                   "--bench-output", "512,1024", "--max-model-len", "2048"])
     err = capsys.readouterr().err
     assert rc == 2 and "--max-model-len 2048" in err and "3070 tokens" in err
+
+
+@pytest.mark.parametrize("choice,expected", [(None, "skip"), ("full", "full"), ("vllm", None)])
+def test_the_stock_deep_gemm_warmup_is_set_and_recorded(tmp_path, monkeypatch, choice, expected):
+    monkeypatch.delenv("FAKE_VLLM_LEAK", raising=False)
+    extra = ["--sides", "stock"] + (["--stock-deep-gemm-warmup", choice] if choice else [])
+    _, doc = _run(tmp_path, monkeypatch, *extra)
+    assert doc["stock_config"]["env"].get("VLLM_DEEP_GEMM_WARMUP") == expected
+    assert vc.side_env(True, "triton", "full")["VLLM_DEEP_GEMM_WARMUP"] == "skip"  # consistent side: always skip

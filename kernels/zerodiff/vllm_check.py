@@ -401,16 +401,21 @@ class Worker:
 
 
 # --------------------------------------------------------------------------------------------- the run
-def side_env(consistent: bool, fp8_gemm_backend: str | None = None) -> dict:
+def side_env(consistent: bool, fp8_gemm_backend: str | None = None, stock_deep_gemm_warmup: str | None = None) -> dict:
     """The environment of one engine process. The consistent side also pins zerodiff's block-FP8 GEMM backend
     (``ZERODIFF_FP8_GEMM_BACKEND``; both RL sides must use the same) and skips vLLM's DeepGEMM warm-up (its
-    linears run zerodiff's GEMM, not vLLM's DeepGEMM kernels)."""
+    linears run zerodiff's GEMM, not vLLM's DeepGEMM kernels). The stock side's ``VLLM_DEEP_GEMM_WARMUP`` is
+    ``stock_deep_gemm_warmup`` when given (``skip``: the kernels compile when first met instead of all ~2,100
+    at start, which from a cold cache takes longer than 5 minutes on an H200; the values are the same), vLLM's
+    default otherwise."""
     env = dict(ENGINE_ENV)
     env["ZERODIFF_CONSISTENT"] = "1" if consistent else None
     if consistent:
         env["VLLM_DEEP_GEMM_WARMUP"] = "skip"
         if fp8_gemm_backend:
             env["ZERODIFF_FP8_GEMM_BACKEND"] = fp8_gemm_backend
+    elif stock_deep_gemm_warmup:
+        env["VLLM_DEEP_GEMM_WARMUP"] = stock_deep_gemm_warmup
     return env
 
 
@@ -455,7 +460,7 @@ def run_side(label: str, *, consistent: bool, eager: bool, checkpoint: str, plan
     with the results before the engine is stopped, so a run cut off during shutdown keeps them."""
     kw = engine_kwargs(checkpoint, consistent=consistent, eager=eager, max_model_len=args.max_model_len,
                        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs)
-    env = side_env(consistent, args.fp8_gemm_backend)
+    env = side_env(consistent, args.fp8_gemm_backend, args.stock_deep_gemm_warmup)
     w = Worker(label, env, kw, factory=factory, log=log)
     try:
         ref, runs = victim_runs(w, plan, names=names, log=log)
@@ -549,7 +554,7 @@ def run_bench(args, checkpoint: str, vocab: int, doc: dict, factory=None, log=pr
             kw = engine_kwargs(checkpoint, consistent=consistent, eager=False, max_model_len=args.max_model_len,
                                gpu_memory_utilization=args.bench_gpu_memory_utilization,
                                max_num_seqs=max(args.max_num_seqs, max(args.bench_concurrency)))
-            workers[label] = Worker(f"bench-{label}", side_env(consistent, args.fp8_gemm_backend), kw,
+            workers[label] = Worker(f"bench-{label}", side_env(consistent, args.fp8_gemm_backend, args.stock_deep_gemm_warmup), kw,
                                     factory=factory, log=log)
         # the profile first: short, it doubles as a first warm-up, and a bench cut off later still has it
         prof_reqs = make_bench_requests(vocab, min(64, max(args.bench_concurrency)), seed=args.seed + 1,
@@ -717,6 +722,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--fp8-gemm-backend", default="triton", choices=["triton", "deepgemm", "auto"],
                    help="zerodiff's block-FP8 GEMM backend on the consistent side (triton: no DeepGEMM JIT or "
                    "probe at start; deepgemm: after its row-invariance probe; auto: zerodiff's per-shape choice)")
+    p.add_argument("--stock-deep-gemm-warmup", default="skip", choices=["skip", "relax", "full", "vllm"],
+                   help="VLLM_DEEP_GEMM_WARMUP of the stock engines (skip: compile DeepGEMM kernels when first met, "
+                   "as every bench warm-up pass does outside timing; vllm: leave vLLM's default, which compiles "
+                   "every M at start, minutes from a cold cache)")
     p.add_argument("--json", help="write the results here (rewritten after every engine)")
     p.add_argument("--resume", metavar="PREVIOUS_JSON",
                    help="continue an earlier run of the same plan: engines it measured are not run again")
@@ -728,6 +737,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def _validated(args) -> int:
     if args.fp8_gemm_backend == "auto":
         args.fp8_gemm_backend = None
+    if args.stock_deep_gemm_warmup == "vllm":
+        args.stock_deep_gemm_warmup = None
     bad = [s for s in args.sides if s not in SIDES]
     if bad:
         print(f"zerodiff vllm-check: --sides {','.join(bad)}: unknown; choose from {','.join(SIDES)}",
