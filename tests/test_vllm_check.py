@@ -2,6 +2,7 @@
 fake engine that keeps (or breaks) batch invariance on purpose."""
 
 import json
+import os
 import struct
 import sys
 
@@ -195,3 +196,33 @@ def test_the_stock_deep_gemm_warmup_is_set_and_recorded(tmp_path, monkeypatch, c
     _, doc = _run(tmp_path, monkeypatch, *extra)
     assert doc["stock_config"]["env"].get("VLLM_DEEP_GEMM_WARMUP") == expected
     assert vc.side_env(True, "triton", "full")["VLLM_DEEP_GEMM_WARMUP"] == "skip"  # consistent side: always skip
+
+
+def _vllm_on_gpu() -> str | None:
+    """Why the engine-level test cannot run here, or None."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if importlib.util.find_spec("vllm") is None:
+        return "needs vLLM 0.33.0 with the zerodiff series applied (or gpu/in-runtime.sh)"
+    if os.environ.get("ZERODIFF_SKIP_ENGINE_TESTS") == "1":
+        return "ZERODIFF_SKIP_ENGINE_TESTS=1"
+    return None
+
+
+@pytest.mark.gpu
+def test_gpu_engine_level_acceptance_in_real_vllm(tmp_path):
+    """The engine-level acceptance on a real patched vLLM: victim in batch, prefill == decode, graphs == eager all
+    0, the stock engine differing. Three engine starts: about 12 minutes from cold JIT caches on an H200."""
+    why = _vllm_on_gpu()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "vllm-acceptance.json"
+    rc = vc.main(["--workdir", str(tmp_path / "work"), "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert rc == 0, doc.get("why")
+    assert doc["victim_mismatch"] == doc["prefill_decode_mismatch"] == doc["graph_eager_mismatch"] == 0
+    assert doc["stock_victim_mismatch"] > 0 and doc["stock_prefill_decode_mismatch"] > 0
