@@ -27,8 +27,6 @@ TEST_ONLY_VARIANTS = {
     "bf16x3_s16": xm.PrenormVariant("bf16x3_s16", 16, "bf16x3", warps=8),
     "tf32x3_s32": xm.PrenormVariant("tf32x3_s32", 32, "tf32x3", warps=8),
 }
-#: the shipped configuration expressed as a variant (the registry's bf16x3 entries are this kernel)
-SHIPPED_AS_VARIANT = xm.PrenormVariant(mhc.DEFAULT_VARIANT, mhc.SPLITS, "bf16x3", warps=8, epi_warps=1)
 # variants exercised on the interpreter: one per precision, split counts that differ at K = 2048
 CPU_VARIANTS = ("ieee_s16", "tf32_s32", "bf16x3_s112", "tf32x3_s32")
 CPU_HEAD_VARIANTS = ("bf16x3_s112",)
@@ -56,6 +54,7 @@ def _variant_run(name, res, fn, scale, base):
 
 def test_variant_registry_split_counts():
     assert mhc.DEFAULT_VARIANT not in xm.VARIANTS  # the registry holds the runners-up only
+    assert xm.SHIPPED == xm.PrenormVariant("bf16x3_s112_e1", 112, "bf16x3", warps=8, epi_warps=1)
     for name, v in xm.VARIANTS.items():
         for H in (256, 512, 4096, 7168):
             K = N_HC * H
@@ -66,7 +65,7 @@ def test_variant_registry_split_counts():
     assert xm.variant_splits(4 * 7168, "tf32_s112") == (112, 4)
     assert xm.variant_splits(4 * 7168, _tv("bf16x3_s16")) == (16, 28)
     assert xm.variant_splits(4 * 4096, "bf16x3_s112") == (64, 4)
-    assert xm.variant_splits(4 * 7168, SHIPPED_AS_VARIANT) == mhc.split_count(4 * 7168)
+    assert xm.variant_splits(4 * 7168, xm.SHIPPED) == mhc.split_count(4 * 7168)
     with pytest.raises(ValueError, match="unknown variant"):
         xm.variant_splits(1024, "tf32_s7")
 
@@ -79,11 +78,11 @@ def test_shipped_configuration_as_a_variant_is_the_shipped_op(seeded):
     fn, scale, base = weights(g, H)
     res = streams(g, 6, H)
     a = mhc.mhc_pre(res, fn, scale, base, backend="triton", **PRE_KW)
-    b = xm.mhc_pre(res, fn, scale, base, backend="triton", variant=SHIPPED_AS_VARIANT, **PRE_KW)
+    b = xm.mhc_pre(res, fn, scale, base, backend="triton", variant=xm.SHIPPED, **PRE_KW)
     for name, x, y in zip(("layer_input", "post", "comb"), a, b):
         assert_bitwise_equal(x, y, f"shipped config through the variant path: {name}")
     hfn, hscale, hbase = head_weights(g, H)
-    assert_bitwise_equal(xm.hc_head(res, hfn, hscale, hbase, backend="triton", variant=SHIPPED_AS_VARIANT),
+    assert_bitwise_equal(xm.hc_head(res, hfn, hscale, hbase, backend="triton", variant=xm.SHIPPED),
                          mhc.hc_head(res, hfn, hscale, hbase, backend="triton"), "hc_head")
 
 

@@ -3,7 +3,8 @@
 API
 ---
 * :class:`PrenormVariant` (one fixed configuration) and :data:`VARIANTS` (the named ones the GPU tests verify
-  and ``zerodiff check|bench|locate --mhc-variant`` offers); any ``PrenormVariant`` object is accepted too.
+  and ``zerodiff check|bench|locate --mhc-variant`` offers); any ``PrenormVariant`` object is accepted too;
+  :data:`SHIPPED` is the shipped configuration as a variant (for comparisons).
 * :func:`variant_splits` ``(K, variant) -> (S, blocks per split)``.
 * :func:`prenorm_gemm_splitk` ``(residual, fn, variant) -> (mix fp32 [S, T, n_mix], sq fp32 [S, T])``.
 * :func:`mhc_pre` / :func:`hc_head`: ``zerodiff.ops.mhc``'s signatures plus a required ``variant=``.
@@ -46,7 +47,7 @@ if zt.HAVE_TRITON:
 
     from zerodiff.ops.mhc import _bf16_to_f32
 
-__all__ = ["PrenormVariant", "VARIANTS", "variant_splits", "prenorm_gemm_splitk", "mhc_pre", "hc_head"]
+__all__ = ["PrenormVariant", "VARIANTS", "SHIPPED", "variant_splits", "prenorm_gemm_splitk", "mhc_pre", "hc_head"]
 
 PRECISIONS = ("ieee", "tf32", "tf32x3", "bf16x3")
 
@@ -128,6 +129,13 @@ VARIANTS: dict[str, PrenormVariant] = dict([
     # the warp count, and it is pinned by the variant
     _v("tf32_s112_e1", 112, "tf32", warps=8, epi_warps=1),
 ])
+
+
+#: the shipped configuration (``zerodiff.ops.mhc``) expressed as a variant, for comparisons in benchmarks and
+#: tests; derived from the shipped module's constants and deliberately not in :data:`VARIANTS`
+SHIPPED = PrenormVariant(_mhc.DEFAULT_VARIANT, _mhc.SPLITS, "bf16x3", block_m=_mhc._BLOCK_M,
+                         block_k=_mhc._BLOCK_K, warps=_mhc._GEMM_WARPS, stages=_mhc._GEMM_STAGES,
+                         epi_warps=_mhc._EPI_WARPS)
 
 
 def _resolve_variant(variant) -> PrenormVariant:
