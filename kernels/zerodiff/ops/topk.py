@@ -10,8 +10,8 @@ Public API::
     topk_routing(scores, k, *, backend=None) -> (scores fp32 [T, k], ids int32 [T, k])
         convenience for expert routing: the same selection, ids sorted by expert id DESCENDING.
 
-``scores`` fp32 [R, W] (any row stride); ``lengths`` int [R] (valid prefix of each row, 0 <= L <= W) or None
-(every row full); ``k >= 1``.
+``scores`` fp32 [R, W] (2-D, any strides, W <= 2^30); ``lengths`` int32 / int64 [R] on the same device (valid
+prefix of each row, 0 <= L <= W) or None (every row full); ``k`` a Python int in [1, 65536].
 
 Numerical contract (identical to ``zerodiff.reference.topk``, which states it in full):
 
