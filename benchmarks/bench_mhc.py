@@ -1,23 +1,24 @@
 """mHC pre/post: our fixed-split kernels vs the stock batch-dependent split (DeepSeek-V4 shapes).
 
 mhc_pre (hc_mult 4, H in 4096 / 7168, T tokens):
-  stock = vLLM 0.33.0's CUDA path as far as it exists without TileLang: DeepGEMM
+  stock = vLLM 0.33.0's CUDA path as far as it exists without TileLang (``zerodiff.baselines.mhc``): DeepGEMM
           ``tf32_hc_prenorm_gemm`` with ``n_splits`` from the token count and SM count (vLLM's
-          ``compute_num_split``), then the partials added in split order by our Triton epilogue
+          ``compute_num_split``), then the partials added in split order by the baseline's Triton epilogue
           (stand-in for TileLang's ``mhc_pre_big_fuse``; same memory traffic). Falls back to per-split
           cuBLAS matmuls where DeepGEMM is missing (the row's ``stock`` field says which ran).
-  ours  = ``mhc_pre`` with the shipped ``mhc.DEFAULT_VARIANT`` (row field ``variant``); columns
+  ours  = the shipped ``zerodiff.ops.mhc.mhc_pre`` (row field ``variant`` = its name); columns
           ``ours_gemm_ms`` / ``ours_epi_ms`` split it into projection and epilogue.
-  also  = the plain torch fp32 eager path (``torch_eager_ms``), and variants that are NOT the contract,
-          for the lead's decision: ``tf32x3_ms`` (the projection on tensor cores, 3 passes) and
-          ``fixed8_ms`` / ``fixed16_ms`` (a fixed split count of 8 / 16 for every T: still batch-invariant,
-          same x traffic, more programs at small T; informational, from before the variant registry).
+  also  = the plain torch fp32 eager path (``torch_eager_ms``), and the configurations of
+          :data:`EXTRA_CANDIDATES` (not the contract, informational): ``tf32x3_s1_ms`` (the projection on
+          tensor cores, 3 passes, no split) and ``ieee_s8_ms`` / ``ieee_s16_ms`` (fp32 FMA with a fixed split
+          count of 8 / 16 for every T: still batch-invariant, same x traffic, more programs at small T).
 mhc_post: ours vs the torch fp32 eager formula (vLLM's ``mhc_post_torch``; TileLang's kernel is not
           available without TileLang).
 hc_head:  ours vs torch fp32 eager (the final collapse, once per forward).
 
---sweep:  also one row per opt-in split-K variant of ``zerodiff.ops.mhc.VARIANTS`` (``op`` =
-          ``mhc_pre[<variant>]`` / ``hc_head[<variant>]``), timed against the SAME stock measurement as the
+--sweep:  also one row per split-K variant of ``zerodiff.experimental.mhc_variants.VARIANTS`` and the shipped
+          configuration (``op`` = ``mhc_pre[<variant>]`` / ``hc_head[<variant>]``), timed against the SAME stock
+          measurement as the
           default row of that shape, with ``gemm_ms`` (projection alone), ``splits``, ``proj_err`` (max
           |sum of partials - float64| / sum|x*w| over the first 256 tokens) and ``comb_err`` /
           ``li_max_ulp`` (vs the float64 reference on those tokens). With --quick the sweep times the
@@ -43,6 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from common import cubin_usage, median_ms, parser, row, write  # noqa: E402
 
+from zerodiff.baselines import mhc as stock  # noqa: E402
+from zerodiff.experimental import mhc_variants as xm  # noqa: E402
 from zerodiff.ops import mhc  # noqa: E402
 from zerodiff.reference import mhc as ref  # noqa: E402
 
@@ -61,9 +64,17 @@ def inputs(T, H):
     return res, fn, scale, base, lo
 
 
-def variant(res, fn, scale, base, splits, precision):
-    mix, sq = mhc.prenorm_gemm(res, fn, splits=splits, _precision=precision)
-    return mhc.pre_epilogue(mix, sq, res, scale, base, **KW)
+#: informational configurations timed beside the shipped one on every shape (column -> variant)
+EXTRA_CANDIDATES = {
+    "tf32x3_s1_ms": xm.PrenormVariant("tf32x3_s1", 1, "tf32x3", block_m=16),
+    "ieee_s8_ms": xm.PrenormVariant("ieee_s8", 8, "ieee", block_m=16),
+    "ieee_s16_ms": xm.PrenormVariant("ieee_s16", 16, "ieee", block_m=16),
+}
+
+
+def _variant(name):
+    """A sweep name: the shipped configuration's, else an experimental registry entry."""
+    return xm.SHIPPED if name == xm.SHIPPED.name else xm.VARIANTS[name]
 
 
 def post_torch(lo, res, post, comb):
@@ -71,7 +82,7 @@ def post_torch(lo, res, post, comb):
     return (mixed + post.unsqueeze(-1) * lo.float().unsqueeze(1)).to(torch.bfloat16)
 
 
-#: variants timed by --quick --sweep (the full sweep times every entry of mhc.VARIANTS)
+#: variants timed by --quick --sweep (the full sweep times the shipped one and every entry of xm.VARIANTS)
 QUICK_SWEEP = ("ieee_s112", "tf32_s112", "bf16x3_s32", "bf16x3_s112", "bf16x3_s112_e1", "tf32_s112_e1")
 #: hc_head variants timed by the sweep (its projection has 4 outputs; same kernels); --quick: the first two
 HEAD_SWEEP = ("bf16x3_s112_e1", "bf16x3_s112", "tf32_s112", "bf16x3_s32", "ieee_s112")
@@ -86,12 +97,12 @@ def _ordered_bf16(t):
 def _accuracy(res, fn, scale, base, name):
     """Projection error and output error of a variant on the first <= 256 tokens (float64 reference)."""
     r = res[:256].contiguous()
-    mix, _ = mhc.prenorm_gemm_splitk(r, fn, name)
+    mix, _ = xm.prenorm_gemm_splitk(r, fn, _variant(name))
     x = r.reshape(r.shape[0], -1).double()
     exact = x @ fn.double().t()
     mag = (x.abs() @ fn.double().abs().t()).clamp_min(1e-300)
     proj_err = ((mix.double().sum(0) - exact).abs() / mag).max().item()
-    li, post, comb = mhc.mhc_pre(r, fn, scale, base, variant=name, **KW)
+    li, post, comb = xm.mhc_pre(r, fn, scale, base, variant=_variant(name), **KW)
     li_r, post_r, comb_r = ref.mhc_pre_ref(r, fn, scale, base, **KW)
     ulp = (_ordered_bf16(li) - _ordered_bf16(li_r)).abs().max().item()
     return dict(proj_err=float(f"{proj_err:.3g}"), comb_err=float(f"{(comb - comb_r).abs().max().item():.3g}"),
@@ -104,23 +115,25 @@ def sweep_rows(res, fn, scale, base, hfn, hscale, hbase, shape, t_stock, stock_n
     K = res.shape[1] * res.shape[2]
     for name in names:
         try:
-            mhc.mhc_pre(res, fn, scale, base, variant=name, **KW)
-            t = median_ms(lambda: mhc.mhc_pre(res, fn, scale, base, variant=name, **KW), **reps)
-            t_gemm = median_ms(lambda: mhc.prenorm_gemm_splitk(res, fn, name), **reps)
+            v = _variant(name)
+            xm.mhc_pre(res, fn, scale, base, variant=v, **KW)
+            t = median_ms(lambda: xm.mhc_pre(res, fn, scale, base, variant=v, **KW), **reps)
+            t_gemm = median_ms(lambda: xm.prenorm_gemm_splitk(res, fn, v), **reps)
             acc = _accuracy(res, fn, scale, base, name)
             rows.append(row(f"mhc_pre[{name}]", shape, t, t_stock, stock_name, gemm_ms=round(t_gemm, 5),
-                            splits=mhc.variant_splits(K, name)[0], **acc))
+                            splits=xm.variant_splits(K, v)[0], **acc))
         except Exception as e:  # noqa: BLE001 - a failing variant is reported, the sweep goes on
             print(f"mhc_pre[{name}] {shape}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             common._MODES.clear()
             rows.append(dict(op=f"mhc_pre[{name}]", shape=shape, error=f"{type(e).__name__}: {str(e)[:300]}"))
     for name in head_names:
         try:
-            mhc.hc_head(res, hfn, hscale, hbase, variant=name)
-            t = median_ms(lambda: mhc.hc_head(res, hfn, hscale, hbase, variant=name), **reps)
+            v = _variant(name)
+            xm.hc_head(res, hfn, hscale, hbase, variant=v)
+            t = median_ms(lambda: xm.hc_head(res, hfn, hscale, hbase, variant=v), **reps)
             rows.append(row(f"hc_head[{name}]", shape, t, t_head_stock,
                             "torch fp32 eager (TileLang hc_head not available without TileLang)",
-                            splits=mhc.variant_splits(K, name)[0]))
+                            splits=xm.variant_splits(K, v)[0]))
         except Exception as e:  # noqa: BLE001
             print(f"hc_head[{name}] {shape}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             common._MODES.clear()
@@ -168,19 +181,22 @@ def aot_report():
         return f"cp.async x{len(sizes)} ({','.join(sorted(set(sizes)))} B) ld.global x{ptx.count('ld.global')}"
 
     epi_done = set()
-    for name, v in mhc.VARIANTS.items():
-        if v.precision == "fp32_legacy":
-            continue
+    candidates = {xm.SHIPPED.name: xm.SHIPPED, **xm.VARIANTS}
+    epi_warps = sorted({v.epi_warps for v in candidates.values()})
+    for name, v in candidates.items():
+        # bf16x3: the shipped kernel under the variant's configuration; otherwise the one-dot kernel
+        kern = mhc._prenorm_splitk_kernel if v.precision == "bf16x3" else xm._prenorm_splitk_dot_kernel
         for H in (7168, 4096):
             K = N_HC * H
-            S, bps = mhc.variant_splits(K, name)
+            S, bps = xm.variant_splits(K, v)
             for nm, what in ((ref.n_mix(N_HC), "pre "), (N_HC, "head")):
                 const = dict(NMIX=nm, BM=v.block_m, BN=mhc._block_n(nm), BK=v.block_k, BPS=bps,
-                             EVEN_K=(K % v.block_k == 0), PREC=v.precision, EXACT=False)
+                             EVEN_K=(K % v.block_k == 0), EXACT=False)
+                if v.precision != "bf16x3":
+                    const["PREC"] = v.precision
                 for cc in (90, 100):
                     try:
-                        k = build(mhc._prenorm_splitk_kernel, gsig, const, cc, num_warps=v.warps,
-                                  num_stages=v.stages)
+                        k = build(kern, gsig, const, cc, num_warps=v.warps, num_stages=v.stages)
                         print(f"gemm {what} {name:17s} H={H} S={S:3d} bps={bps:2d} sm_{cc}: {usage(k)} "
                               f"shared={k.metadata.shared} {mma(k.asm['ptx'])} {loads(k.asm['ptx'])}", flush=True)
                     except Exception as e:  # noqa: BLE001
@@ -193,7 +209,7 @@ def aot_report():
                 const = dict(S=S, SP=mhc._pow2_at_least(S), NH=N_HC, BLOCK_H=mhc._EPI_BLOCK_H, EXACT=False)
                 for cc in (90, 100):
                     try:
-                        for w in sorted({mhc._EPI_WARPS, 1}):
+                        for w in epi_warps:
                             k = build(kern, sig, const, cc, num_warps=w)
                             print(f"epi  {what} S={S:3d} warps={w} sm_{cc}: {usage(k)}", flush=True)
                     except Exception as e:  # noqa: BLE001
@@ -202,7 +218,7 @@ def aot_report():
 
 def main():
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--sweep", action="store_true", help="also time every opt-in split-K variant")
+    p.add_argument("--sweep", action="store_true", help="also time every split-K variant")
     p.add_argument("--aot", action="store_true", help="AOT-compile the variant kernels (no GPU): registers/spills")
     p.add_argument("--hidden", type=int, action="append", default=None, metavar="H",
                    help="hidden size(s) to time instead of the DeepSeek-V4 ones (repeatable; e.g. 2048 for the "
@@ -226,7 +242,7 @@ def main():
         res, fn, scale, base, lo = inputs(T, H)
         shape = f"T={T} H={H} hc={N_HC}"
         info = {}
-        mhc.mhc_pre_split_baseline(res, fn, scale, base, n_sms=n_sms, info=info, **KW)
+        stock.mhc_pre_split_baseline(res, fn, scale, base, n_sms=n_sms, info=info, **KW)
         stock_name = f"{info['gemm']} (n_splits={info['n_splits']} from T) + {info['epilogue']} epilogue"
         if "deepgemm_error" in info:
             stock_name += f" [DeepGEMM failed: {info['deepgemm_error'][:120]}]"
@@ -234,31 +250,24 @@ def main():
 
         # sanity: the stock partials sum to the same projection (tf32 tolerance), ours to fp32 accuracy
         ours = mhc.mhc_pre(res, fn, scale, base, **KW)
-        stock = mhc.mhc_pre_split_baseline(res, fn, scale, base, n_sms=n_sms, gemm=gemm_kind, **KW)
-        comb_diff = (ours[2] - stock[2]).abs().max().item()
+        stock_out = stock.mhc_pre_split_baseline(res, fn, scale, base, n_sms=n_sms, gemm=gemm_kind, **KW)
+        comb_diff = (ours[2] - stock_out[2]).abs().max().item()
 
         t_ours = median_ms(lambda: mhc.mhc_pre(res, fn, scale, base, **KW), **reps)
-        t_stock = median_ms(lambda: mhc.mhc_pre_split_baseline(res, fn, scale, base, n_sms=n_sms,
-                                                               gemm=gemm_kind, **KW), **reps)
-        dv = mhc.VARIANTS[mhc.DEFAULT_VARIANT]  # the projection / epilogue split of what mhc_pre runs
-        if dv.precision == "fp32_legacy":
-            mix, sq = mhc.prenorm_gemm(res, fn)
-            t_gemm = median_ms(lambda: mhc.prenorm_gemm(res, fn), **reps)
-            t_epi = median_ms(lambda: mhc.pre_epilogue(mix, sq, res, scale, base, **KW), **reps)
-        else:
-            mix, sq = mhc.prenorm_gemm_splitk(res, fn, dv)
-            t_gemm = median_ms(lambda: mhc.prenorm_gemm_splitk(res, fn, dv), **reps)
-            t_epi = median_ms(lambda: mhc.pre_epilogue_splits(mix, sq, res, scale, base, epi_warps=dv.epi_warps,
-                                                             **KW), **reps)
-        t_eager = median_ms(lambda: mhc.mhc_pre_torch_eager(res, fn, scale, base, **KW), **reps)
+        t_stock = median_ms(lambda: stock.mhc_pre_split_baseline(res, fn, scale, base, n_sms=n_sms,
+                                                                 gemm=gemm_kind, **KW), **reps)
+        # the projection / epilogue split of what mhc_pre runs
+        mix, sq = mhc.prenorm_gemm_splitk(res, fn)
+        t_gemm = median_ms(lambda: mhc.prenorm_gemm_splitk(res, fn), **reps)
+        t_epi = median_ms(lambda: mhc.pre_epilogue_splits(mix, sq, res, scale, base, **KW), **reps)
+        t_eager = median_ms(lambda: stock.mhc_pre_torch_eager(res, fn, scale, base, **KW), **reps)
         extra = {}
-        for name, splits, prec in (("tf32x3_ms", 1, "tf32x3"), ("fixed8_ms", 8, "ieee"),
-                                   ("fixed16_ms", 16, "ieee")):
+        for col, v in EXTRA_CANDIDATES.items():
             try:
-                variant(res, fn, scale, base, splits, prec)
-                extra[name] = round(median_ms(lambda: variant(res, fn, scale, base, splits, prec), **reps), 5)
+                xm.mhc_pre(res, fn, scale, base, variant=v, **KW)
+                extra[col] = round(median_ms(lambda: xm.mhc_pre(res, fn, scale, base, variant=v, **KW), **reps), 5)
             except Exception as e:  # noqa: BLE001 - informational variants only
-                extra[name] = f"failed: {type(e).__name__}: {str(e)[:100]}"
+                extra[col] = f"failed: {type(e).__name__}: {str(e)[:100]}"
         rows.append(row("mhc_pre", shape, t_ours, t_stock, stock_name, variant=mhc.DEFAULT_VARIANT,
                         ours_gemm_ms=round(t_gemm, 5), ours_epi_ms=round(t_epi, 5),
                         torch_eager_ms=round(t_eager, 5), ratio_vs_eager=round(t_ours / t_eager, 4),
@@ -275,11 +284,10 @@ def main():
         rows.append(row("hc_head", shape, t_head, t_head_eager,
                         "torch fp32 eager (TileLang hc_head not available without TileLang)"))
         if args.sweep:
-            names = QUICK_SWEEP if args.quick else [n for n, v in mhc.VARIANTS.items()
-                                                    if v.precision != "fp32_legacy"]
+            names = QUICK_SWEEP if args.quick else [xm.SHIPPED.name, *xm.VARIANTS]
             sweep += sweep_rows(res, fn, scale, base, hfn, hscale, hbase, shape, t_stock, stock_name,
                                 t_head_eager, names, reps, HEAD_SWEEP[:2] if args.quick else HEAD_SWEEP)
-        del res, fn, lo, mix, sq, ours, stock
+        del res, fn, lo, mix, sq, ours, stock_out
         torch.cuda.empty_cache()
     write(args.json, "mhc", rows)
     if args.sweep:

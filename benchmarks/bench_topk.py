@@ -5,8 +5,9 @@
 
 Every DSA shape is timed for both designs in the same run against the same ``torch.topk``: op
 ``topk_dsa`` is the public entry point with the default VARIANT, ``topk_dsa[single]`` / ``topk_dsa[split]``
-force one design. ``--sweep`` adds ``topk_dsa_sweep`` rows: every ``SPLIT_CANDIDATES`` entry of the split variant (and with
-``--sweep-single`` the single kernel's CHUNK/DIGIT/num_warps configs, minutes more) at widths 8K and 64K,
+force one design. ``--sweep`` adds ``topk_dsa_sweep`` rows: every split-design candidate of
+``zerodiff.experimental.topk_variants.SPLIT_CANDIDATES`` (and with ``--sweep-single`` the single kernel's
+CHUNK/DIGIT/num_warps configs, minutes more) at widths 8K and 64K,
 rows 1/64/1024, each with ``equal_to_reference`` (bitwise vs the default path on the same inputs).
 
 DSA indexer rows: fp32 scores [rows, width], width 8K/16K/32K/64K, k=2048, every row full length.
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cubin_usage, median_ms, parser, row, write  # noqa: E402
 
 import zerodiff.ops.topk as topk_mod  # noqa: E402
+from zerodiff.experimental import topk_variants as xt  # noqa: E402
 from zerodiff.ops.topk import _config, _topk_triton, deterministic_topk, topk_routing  # noqa: E402
 
 
@@ -79,8 +81,8 @@ def sweep(k: int, rep: int, single: bool = False) -> list[dict]:
                     for warps in (8, 16):
                         configs.append((f"single chunk={chunk} digit={digit} warps={warps}",
                                         dict(variant="single", chunk=chunk, digit=digit, num_warps=warps)))
-            for cand in topk_mod.SPLIT_CANDIDATES:
-                cfg = topk_mod.split_candidate(W, cand)
+            for cand in xt.SPLIT_CANDIDATES:
+                cfg = xt.split_candidate(W, cand)
                 configs.append((f"split {cand['name']} {dict(topk_mod._split_config(W), **cfg)}",
                                 dict(variant="split", split=cfg)))
             for label, kw in configs:
@@ -131,8 +133,8 @@ def aot_report() -> None:
             print(f"single  sm_{cc} W={W} {(chunk, digit, warps)}: {usage(kern)} smem={kern.metadata.shared}",
                   flush=True)
             seen = set()
-            for cand in topk_mod.SPLIT_CANDIDATES:
-                cfg = dict(topk_mod._split_config(W), **topk_mod.split_candidate(W, cand))
+            for cand in xt.SPLIT_CANDIDATES:
+                cfg = dict(topk_mod._split_config(W), **xt.split_candidate(W, cand))
                 ns = -(-W // cfg["SW"])
                 sp = 1 << (ns - 1).bit_length()
                 lv = cfg["LV"]
@@ -164,7 +166,7 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--sweep", action="store_true",
                    help="also time every config of both designs (single: CHUNK/DIGIT/num_warps; split: "
-                        "SPLIT_CANDIDATES) at widths 8K/64K; configs stay functions of the width only")
+                        "experimental SPLIT_CANDIDATES) at widths 8K/64K; configs stay functions of the width only")
     p.add_argument("--sweep-single", action="store_true",
                    help="with --sweep: also the single design's configs (slow: 12 configs x 6 shapes)")
     p.add_argument("--aot", action="store_true", help="no GPU: compile every variant for sm_90a/sm_100a")

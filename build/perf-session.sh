@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# The performance-decision call (issues 3 and 5): time the prepared kernel variants against the stock kernels,
+# The performance-decision call: time the prepared kernel variants against the stock kernels,
 # in micro-benchmarks and end to end, and re-run the GPU tests that guard them. One command on a lent machine:
 #
 #   build/perf-session.sh [--total SECONDS] [--skip-tests] [--variants "ieee_s112 bf16x3_s32 ..."]
 #
 # Stages (each with its own timeout; results are written as they come, so a cut-off call keeps what finished):
 #   0. zerodiff warmup --config h200 --config gpu_small        (background: DeepGEMM's M-dependent kernels)
-#   1. GPU tests in two halves (a: logprobs, integrations, sparse_attention, e2e_gpu; b: mhc, topk, rmsnorm,
-#      silu_mul_quant, moe, router_gemm, triton_casts, indexer), one pytest process per file
+#   1. GPU tests in two halves (a: logprobs, integrations, sparse_attention, e2e_gpu; b: mhc, experimental_mhc,
+#      topk, experimental_topk, rmsnorm, silu_mul_quant, moe, router_gemm, triton_casts, indexer), one pytest
+#      process per file
 #   2. micro-benchmark sweeps: bench_mhc --quick --sweep at H 2048 (the end-to-end model) and 7168,
 #      bench_topk --quick --sweep, bench_sparse_attention --quick --sweep
 #   3. end to end: zerodiff bench --config h200 --steps 3 with the shipped kernels, with each mHC variant in
-#      --variants (default: the registered runners-up bf16x3_s32 tf32_s112_e1 ieee_s112), and with the other
-#      Top-K design (ZD_TOPK_VARIANT=single) as a control
+#      --variants (default: the runners-up bf16x3_s32 tf32_s112_e1 ieee_s112 of
+#      zerodiff.experimental.mhc_variants), and with the other Top-K design (ZD_TOPK_VARIANT=single) as a control
 # Two GPUs: GPU 0 runs 0, 3, then tests a; GPU 1 runs 2, then tests b (a timing never overlaps a test or the
 # warm-up on its GPU). One GPU: 0, 2, 3, then tests a and b.
 # Outputs under $OUT (at most 8 files come back from a lent machine):
@@ -67,7 +68,7 @@ e2e() {
 }
 
 TESTS_A="tests/test_logprobs.py tests/test_integrations.py tests/test_sparse_attention.py tests/test_e2e_gpu.py"
-TESTS_B="tests/test_mhc.py tests/test_topk.py tests/test_rmsnorm.py tests/test_silu_mul_quant.py tests/test_moe.py tests/test_router_gemm.py tests/test_triton_casts.py tests/test_indexer.py"
+TESTS_B="tests/test_mhc.py tests/test_experimental_mhc.py tests/test_topk.py tests/test_experimental_topk.py tests/test_rmsnorm.py tests/test_silu_mul_quant.py tests/test_moe.py tests/test_router_gemm.py tests/test_triton_casts.py tests/test_indexer.py"
 tests() {  # tests SUBDIR FILES: one pytest process per file, results under $T/SUBDIR
   [ "$SKIP_TESTS" = 1 ] && { note "== tests skipped"; return 0; }
   local d="$T/$1"; mkdir -p "$d"

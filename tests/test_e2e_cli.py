@@ -147,17 +147,22 @@ def test_profile_flag_writes_report(tmp_path):
 
 
 def test_mhc_variant_option_is_validated_and_recorded(tmp_path, monkeypatch):
+    from zerodiff.model import ops as model_ops
     from zerodiff.ops import mhc
 
-    monkeypatch.setattr(mhc, "DEFAULT_VARIANT", mhc.DEFAULT_VARIANT)
-    monkeypatch.setattr(mhc, "DEFAULT_HEAD_VARIANT", mhc.DEFAULT_HEAD_VARIANT)
+    shipped = model_ops.mhc_pre
+    monkeypatch.setattr(model_ops, "mhc_pre", shipped)  # the option rebinds it for the process: undone after
     import pytest
 
     with pytest.raises(SystemExit, match="not one of"):
         e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--quiet", "--mhc-variant", "fp32_s7"])
+    assert model_ops.mhc_pre is shipped is mhc.mhc_pre
     out = tmp_path / "c.json"
     assert e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--quiet", "--mhc-variant", "ieee_s112",
                          "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["kernel_variants"]["mhc"] == "ieee_s112" == doc["kernel_variants"]["mhc_head"]
+    assert doc["kernel_variants"]["mhc"] == "ieee_s112"
+    assert doc["kernel_variants"]["mhc_head"] == mhc.DEFAULT_HEAD_VARIANT  # the model has no hc_head call
+    assert model_ops.mhc_pre.keywords == {"variant": "ieee_s112"}  # both sides run the variant's mhc_pre
+    assert mhc.mhc_pre is not model_ops.mhc_pre  # the shipped module itself is left alone
     assert doc["reports"][0]["bitwise_equal"]

@@ -2,6 +2,9 @@
 imports it back. Function-level (lazy) imports count too: a lazy import that closes a circle still ties a
 backend to its dispatcher. ``from PKG import NAME`` is an edge to ``PKG.NAME`` when that is a module (a submodule
 import), else to ``PKG``. Only imports of modules inside ``kernels/`` are edges.
+
+Second rule: the shipped path (``zerodiff.ops``, ``model``, ``integrations``, ``rollout``, ``training``) never
+reaches ``zerodiff.experimental``, directly or through other modules.
 """
 
 import ast
@@ -94,3 +97,60 @@ def test_the_cycle_finder_finds_a_planted_circle():
     graph["zerodiff.ops.kv_cache"] = graph["zerodiff.ops.kv_cache"] | {"zerodiff.ops.sparse_attention"}
     cycles = find_cycles(graph)
     assert any({"zerodiff.ops.kv_cache", "zerodiff.ops.sparse_attention"} <= set(c) for c in cycles), cycles
+
+
+# the shipped path: what rollout and training run, and what the vLLM / Megatron patches import
+SHIPPED_PACKAGES = ("zerodiff.ops", "zerodiff.model", "zerodiff.integrations", "zerodiff.rollout", "zerodiff.training")
+EXPERIMENTAL = "zerodiff.experimental"
+
+
+def _within(name: str, pkg: str) -> bool:
+    return name == pkg or name.startswith(pkg + ".")
+
+
+def experimental_reached(graph: dict[str, set[str]]) -> list[list[str]]:
+    """For every shipped-path module that reaches ``zerodiff.experimental`` (directly or through other modules),
+    one import chain from it to the experimental module (breadth first: a shortest chain)."""
+    chains = []
+    for root in sorted(m for m in graph if any(_within(m, p) for p in SHIPPED_PACKAGES)):
+        parent = {root: None}
+        queue = [root]
+        hit = None
+        while queue and hit is None:
+            nxt = []
+            for v in queue:
+                for w in sorted(graph.get(v, ())):
+                    if w in parent:
+                        continue
+                    parent[w] = v
+                    if _within(w, EXPERIMENTAL):
+                        hit = w
+                        break
+                    nxt.append(w)
+                if hit is not None:
+                    break
+            queue = nxt
+        if hit is not None:
+            chain = [hit]
+            while parent[chain[-1]] is not None:
+                chain.append(parent[chain[-1]])
+            chains.append(chain[::-1])
+    return chains
+
+
+def test_the_shipped_path_never_imports_experimental():
+    graph = import_graph()
+    assert "zerodiff.experimental.mhc_variants" in graph and "zerodiff.ops.mhc" in graph  # the walk sees both
+    assert any(_within(m, EXPERIMENTAL) for m in graph["zerodiff.e2e_cli"])  # experiments may (--mhc-variant)
+    assert experimental_reached(graph) == []
+
+
+def test_the_experimental_check_finds_planted_imports():
+    graph = import_graph()
+    # a direct import from the shipped path
+    graph["zerodiff.ops.kv_cache"] = graph["zerodiff.ops.kv_cache"] | {"zerodiff.experimental.topk_variants"}
+    # and one through a module outside the shipped packages (the baselines the baseline model imports)
+    graph["zerodiff.baselines.mhc"] = graph["zerodiff.baselines.mhc"] | {"zerodiff.experimental"}
+    chains = experimental_reached(graph)
+    assert ["zerodiff.ops.kv_cache", "zerodiff.experimental.topk_variants"] in chains, chains
+    assert any(c[0].startswith("zerodiff.model") and "zerodiff.baselines.mhc" in c for c in chains), chains

@@ -6,6 +6,9 @@ import math
 
 import pytest
 import torch
+from bitwise import assert_bitwise_equal, bits
+from topk_cases import adversarial_rows
+from topk_cases import gpu_rows as _gpu_rows
 
 from zerodiff import _triton as zt
 import zerodiff.ops.topk as topk_mod
@@ -16,52 +19,30 @@ needs_triton = pytest.mark.skipif(not zt.HAVE_TRITON, reason="triton not install
 # the Triton tests run through the interpreter on CPU tensors here, and natively where CUDA is present
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
+# parametrize lists
+BRUTE_CASES = ((1, 1), (7, 3), (64, 8), (256, 8), (300, 64), (513, 600))
+BAD_INPUT_BACKENDS = ("reference", pytest.param("triton", marks=needs_triton))
+TRITON_CASES = (
+    (200, 1, 32, 8, None), (200, 7, 32, 11, None), (200, 64, 32, 8, False), (200, 64, 32, 11, None),
+    (200, 199, 64, 8, None), (200, 260, 32, 11, False),  # multi-chunk rows, both digit widths
+    (2048, 8, None, None, None), (2048, 300, None, None, None),  # default config at a routing-like width
+    (2304, 700, None, None, None),  # default config of wide rows (11-bit digits)
+)
+SPLIT_CASES = ((1, 0, None), (7, 1, None), (64, 2, False), (199, 3, None), (260, 0, None), (33, 4, None),
+               (70, 5, False), (40, 0, False))
+GPU_DSA_WIDTHS = (8192, 16384, 32768, 65536)
+GPU_VICTIM_CASES = ((65536, 2048), (8192, 2048), (256, 8))
+GPU_SPLIT_WIDTHS = (4096, 8192, 32768, 65536, 163840, 5000)
+GPU_SPLIT_VICTIM_CASES = ((65536, 2048), (8192, 2048))
+
 
 def _dev(t):
     return None if t is None else t.to(DEV)
-NAN_BITS = [0x7FC00000, -0x400000, 0x7F800001, -0x7FFFFF]  # +qNaN, -qNaN, +sNaN payload, -NaN payload
 
 
 # ---------------------------------------------------------------------------------------------------
-# inputs
+# reference: independent brute force, rules, bad inputs
 # ---------------------------------------------------------------------------------------------------
-def _from_bits(bits):
-    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
-
-
-def adversarial_rows(W, g, nan=True):
-    """Rows full of ties and special values; every row also has ordinary random values somewhere."""
-    rows = []
-    r = torch.randn(W, generator=g)
-    rows.append(torch.full((W,), 1.0))  # all equal: pure position order
-    rows.append(torch.tensor([-1.0, 0.0, 0.5, 1.0])[torch.randint(0, 4, (W,), generator=g)])  # plateaus
-    z = torch.where(torch.rand(W, generator=g) < 0.5, torch.tensor(-0.0), torch.tensor(0.0))
-    z[torch.randint(0, W, (max(1, W // 16),), generator=g)] = -1e-45  # -0/+0 mix around tiny negatives
-    rows.append(z)
-    den = torch.randint(1, 2**23, (W,), generator=g, dtype=torch.int64)
-    den = den | (torch.randint(0, 2, (W,), generator=g, dtype=torch.int64) << 31)
-    den = den.to(torch.int32).view(torch.float32).clone()  # fp32 denormals of both signs
-    den[::7] = 0.0
-    den[3::11] = -0.0
-    rows.append(den)
-    q = torch.round(r * 4) / 4  # quantised random: many ties, many distinct values
-    q[torch.randint(0, W, (max(1, W // 8),), generator=g)] = float("-inf")
-    q[torch.randint(0, W, (max(1, W // 32),), generator=g)] = float("inf")
-    rows.append(q)
-    if nan:
-        n = r.clone()
-        idx = torch.randint(0, W, (max(1, W // 4),), generator=g)
-        n[idx] = _from_bits([NAN_BITS[i % 4] for i in range(idx.numel())])
-        rows.append(n)
-        allnan = _from_bits([NAN_BITS[i % 4] for i in range(W)])
-        rows.append(allnan)
-        ninf = torch.full((W,), float("-inf"))
-        ninf[::5] = _from_bits([0x7FC00000])
-        rows.append(ninf)
-    rows.append(r)
-    return torch.stack(rows)
-
-
 def brute(row, L, k):
     """Independent rule in plain Python floats: (score, position) tuples, -0.0 == 0.0, NaN dropped."""
     vals = row.tolist()
@@ -72,13 +53,10 @@ def brute(row, L, k):
 
 
 def bits_equal(a, b):
-    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
-# ---------------------------------------------------------------------------------------------------
-# reference: independent brute force, rules, bad inputs
-# ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("W,k", [(1, 1), (7, 3), (64, 8), (256, 8), (300, 64), (513, 600)])
+@pytest.mark.parametrize("W,k", BRUTE_CASES)
 def test_reference_matches_brute_force(seeded, W, k):
     g = seeded(f"{W}-{k}")
     s = torch.cat([adversarial_rows(W, g), torch.randn(3, W, generator=g)])
@@ -128,7 +106,7 @@ def test_reference_rules():
     assert torch.all(m[1:] >= m[:-1]) and m[3] == m[4]
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", BAD_INPUT_BACKENDS)
 def test_bad_inputs(backend):
     s = torch.randn(2, 8)
     cases = [
@@ -187,12 +165,7 @@ def _check_triton(s, k, lengths, chunk=None, digit=None, hist_mask=None, variant
 
 
 @needs_triton
-@pytest.mark.parametrize("W,k,chunk,digit,hist_mask", [
-    (200, 1, 32, 8, None), (200, 7, 32, 11, None), (200, 64, 32, 8, False), (200, 64, 32, 11, None),
-    (200, 199, 64, 8, None), (200, 260, 32, 11, False),  # multi-chunk rows, both digit widths
-    (2048, 8, None, None, None), (2048, 300, None, None, None),  # default config at a routing-like width
-    (2304, 700, None, None, None),  # default config of wide rows (11-bit digits)
-])
+@pytest.mark.parametrize("W,k,chunk,digit,hist_mask", TRITON_CASES)
 def test_triton_matches_reference(seeded, W, k, chunk, digit, hist_mask):
     g = seeded(f"{W}-{k}-{chunk}-{digit}")
     s = torch.cat([adversarial_rows(W, g), torch.randn(1, W, generator=g) * 1e-3])
@@ -272,10 +245,7 @@ SPLIT_SMALL = [dict(SW=32, CH=32), dict(SW=32, CH=32, LV=1, D0=8, D=8), dict(SW=
 
 
 @needs_triton
-@pytest.mark.parametrize("k,cfg,hist_mask", [
-    (1, 0, None), (7, 1, None), (64, 2, False), (199, 3, None), (260, 0, None), (33, 4, None), (70, 5, False),
-    (40, 0, False),
-])
+@pytest.mark.parametrize("k,cfg,hist_mask", SPLIT_CASES)
 def test_split_matches_reference(seeded, k, cfg, hist_mask):
     g = seeded(f"split-{k}-{cfg}")
     W = 200
@@ -448,18 +418,8 @@ def test_kernel_compiles_for_sm90_and_sm100():
 # ---------------------------------------------------------------------------------------------------
 # GPU: exact equality at DSA widths, victim-in-batch on every dispatch boundary, negative control
 # ---------------------------------------------------------------------------------------------------
-def _gpu_rows(R, W, g):
-    """Random rows plus tie-heavy rows (what an indexer produces after FP8 / BF16 rounding)."""
-    s = torch.randn(R, W, generator=g)
-    s[1::4] = torch.round(s[1::4] * 8) / 8
-    s[2::4] = s[2::4].to(torch.bfloat16).float()
-    if R > 3:
-        s[3] = 1.0
-    return s
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("W", [8192, 16384, 32768, 65536])
+@pytest.mark.parametrize("W", GPU_DSA_WIDTHS)
 def test_gpu_dsa_widths_exact(seeded, W):
     g = seeded(str(W))
     s = _gpu_rows(12, W, g)
@@ -489,7 +449,7 @@ def test_gpu_routing_exact(seeded):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("W,k", [(65536, 2048), (8192, 2048), (256, 8)])
+@pytest.mark.parametrize("W,k", GPU_VICTIM_CASES)
 def test_gpu_victim_in_batch(seeded, W, k):
     g = seeded(f"{W}-{k}")
     victim = torch.round(torch.randn(W, generator=g) * 4) / 4  # ties straddle the k boundary
@@ -563,32 +523,11 @@ def test_gpu_cuda_graph_equals_eager(seeded):
 
 
 # ---------------------------------------------------------------------------------------------------
-# GPU: every variant / split candidate bitwise equal to the reference at the DSA shapes, victim-in-batch
-# and CUDA graphs under the split design (the single design is covered by the tests above)
+# GPU: the split design bitwise equal to the reference at the DSA shapes, victim-in-batch and CUDA graphs
+# (the single design is covered by the tests above; the split sweep candidates by test_experimental_topk.py)
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("W", [8192, 16384, 65536])
-def test_gpu_split_candidates_exact(seeded, W):
-    g = seeded(f"split-{W}")
-    s = torch.cat([_gpu_rows(8, W, g), adversarial_rows(W, g)])
-    L = torch.randint(0, W + 1, (s.shape[0],), generator=g, dtype=torch.int32)
-    L[:3] = torch.tensor([W, 2048, 2047], dtype=torch.int32)
-    sc, Lc = s.cuda(), L.cuda()
-    refs = {(k, ln): deterministic_topk_ref(s, k, L if ln else None, return_scores=True)
-            for k in (2048, 1, 513) for ln in (False, True)}
-    for cand in topk_mod.SPLIT_CANDIDATES:
-        cfg = topk_mod.split_candidate(W, cand)
-        # the default config on every (k, lengths) case; the others (sweep candidates: compile time) on the
-        # DSA case k=2048 with lengths, plus k=513 without (both constexpr flavours of the kernels)
-        cases = refs if cand["name"] == "default" else {key: refs[key] for key in ((2048, True), (513, False))}
-        for (k, ln), (rpos, rval) in cases.items():
-            pos, val = _topk_triton(sc, k, Lc if ln else None, True, variant="split", split=cfg)
-            assert torch.equal(pos.cpu(), rpos), f"split {cand['name']} W={W} k={k} lengths={ln}"
-            assert bits_equal(val.cpu(), rval), f"split {cand['name']} scores W={W} k={k}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", [4096, 8192, 32768, 65536, 163840, 5000])
+@pytest.mark.parametrize("W", GPU_SPLIT_WIDTHS)
 def test_gpu_split_default_exact_many_rows(seeded, monkeypatch, W):
     """The public entry point under VARIANT='split' on many rows (row blocks of the scratch included)."""
     g = seeded(f"split-many-{W}")
@@ -605,7 +544,7 @@ def test_gpu_split_default_exact_many_rows(seeded, monkeypatch, W):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("W,k", [(65536, 2048), (8192, 2048)])
+@pytest.mark.parametrize("W,k", GPU_SPLIT_VICTIM_CASES)
 def test_gpu_split_victim_in_batch(seeded, monkeypatch, W, k):
     g = seeded(f"split-victim-{W}-{k}")
     monkeypatch.setattr(topk_mod, "VARIANT", "split")

@@ -78,9 +78,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="stop cleanly before a step would end past SECONDS since the command started (the steps "
                         "that ran are reported and written; the JSON is also rewritten after every step)")
     p.add_argument("--mhc-variant", default=None, metavar="NAME",
-                   help="run mHC pre / hc_head with this zerodiff.ops.mhc.VARIANTS entry instead of the shipped "
-                        "default, on BOTH sides of this process (an experiment: the bits change with the variant; "
-                        "a real deployment must switch rollout and training together)")
+                   help="run the model's mHC pre with this zerodiff.experimental.mhc_variants.VARIANTS entry instead "
+                        "of the shipped kernel, on BOTH sides of this process (an experiment: the bits change with "
+                        "the variant; a real deployment must switch rollout and training together)")
     p.add_argument("--attn-backend", default=None, metavar="NAME",
                    help="run the sparse MLA read path with this zerodiff.ops.sparse_attention backend (e.g. "
                         "flashmla_fp8: FlashMLA's FP8 decode kernel under the fixed schedule) on BOTH sides of "
@@ -191,21 +191,32 @@ def _baseline_kernels() -> dict:
 
 
 def _kernel_variants(args) -> dict:
-    """Apply ``--mhc-variant`` (validated) and return the kernel variants this process runs (for the JSON)."""
+    """Apply ``--mhc-variant`` (validated) and return the kernel variants this process runs (for the JSON).
+
+    A variant replaces the model's mHC pre binding (``zerodiff.model.ops.mhc_pre``, which rollout and training
+    both call) for the rest of the process; the shipped modules are left as they are. The model has no
+    hc_head call, so ``mhc_head`` stays the shipped name."""
     from .ops import mhc, topk
     from .ops import sparse_attention as sa
 
     name = getattr(args, "mhc_variant", None)
+    mhc_name = mhc.DEFAULT_VARIANT
     if name is not None:
-        if name not in mhc.VARIANTS:
-            raise SystemExit(f"zerodiff: --mhc-variant {name!r} is not one of {sorted(mhc.VARIANTS)}")
-        mhc.DEFAULT_VARIANT = mhc.DEFAULT_HEAD_VARIANT = name
+        import functools
+
+        from .experimental import mhc_variants
+        from .model import ops as model_ops
+
+        if name not in mhc_variants.VARIANTS:
+            raise SystemExit(f"zerodiff: --mhc-variant {name!r} is not one of {sorted(mhc_variants.VARIANTS)}")
+        model_ops.mhc_pre = functools.partial(mhc_variants.mhc_pre, variant=name)
+        mhc_name = name
     attn = getattr(args, "attn_backend", None)
     if attn is not None:
         if attn not in sa.READ_BACKENDS:
             raise SystemExit(f"zerodiff: --attn-backend {attn!r} is not one of {list(sa.READ_BACKENDS)}")
         sa.READ_BACKEND = attn
-    return {"mhc": mhc.DEFAULT_VARIANT, "mhc_head": mhc.DEFAULT_HEAD_VARIANT, "topk": topk.VARIANT,
+    return {"mhc": mhc_name, "mhc_head": mhc.DEFAULT_HEAD_VARIANT, "topk": topk.VARIANT,
             "attention_read": sa.READ_BACKEND or "default: flashmla_fp8 where supported, else workspace",
             "attention_pieces": _pieces()}
 

@@ -2,25 +2,25 @@
 
 Modes
 -----
-* :class:`ConsistentOps` (``"consistent"``): every call goes to a zerodiff op (or, where a teammate's module
-  has not landed yet, to a clearly marked INTERIM pure-torch implementation of the same contract in
-  :mod:`zerodiff.model.interim`). Rollout and training use the very same object type, so a token's value
-  is computed by the same functions on both sides; every op is per token / per row, so it never depends on
-  the batch. On CPU tensors the zerodiff ops run their reference backends; CPU reference calls whose
-  float64 internals could depend on the tensor shape (mHC, SiLU) are run on fixed 64-row chunks.
+* :class:`ConsistentOps` (``"consistent"``): every call goes to a zerodiff op (on CPU tensors, for some ops, to
+  an exact-structure pure-torch implementation of the same contract in :mod:`zerodiff.model.interim`).
+  Rollout and training use the very same object type, so a token's value is computed by the same
+  functions on both sides; every op is per token / per row, so it never depends on the batch. On CPU
+  tensors the zerodiff ops run their reference backends; CPU reference calls whose float64 internals could
+  depend on the tensor shape (mHC, SiLU) are run on fixed 64-row chunks.
 * :class:`BaselineRolloutOps` (``"baseline"``): the NEGATIVE CONTROL, the frozen stock per-op choice
   :data:`BASELINE_CHOICE` on BOTH sides (same kernels, same precision: the diff, which must be > 0, comes only
   from the stock kernels' batch and phase dependence). :class:`BaselineTrainOps` holds stock training-style
   paths; paired with the inference ones (``"baseline_mixed"``, see :data:`MODES`) it mixes precision into the
   diff, so it is not the control.
 
-Binding table (switching an op from INTERIM to the real module is the one marked line per op below)::
+Binding table (the binding of each op is the one marked line per op below)::
 
     deterministic_topk, quant_act, Fp8Weight, fp8_linear, fp8_gemm,
     silu_mul_quant_fp8, mhc_pre, mhc_post, kv cache write/gather      -> zerodiff.ops.*          (real)
     CUDA: rms_norm, bf16_gemm, router_gemm, token_logprobs, sparse_mla_attention (workspace read path),
           indexer_topk + FP8 index-key cache, moe.route, moe.moe_experts -> zerodiff.ops.*     (real)
-    CPU:  the same ops as exact-structure pure torch                   -> zerodiff.model.interim (INTERIM)
+    CPU:  the same ops as exact-structure pure torch                   -> zerodiff.model.interim
 
 Training (autograd)
 -------------------
@@ -64,8 +64,8 @@ def _cuda(t) -> bool:
     return t.device.type == "cuda"
 
 
-# Dispatch: CUDA tensors -> the team's op (Triton / verified backends); CPU tensors -> the exact-structure
-# INTERIM implementation in zerodiff.model.interim (the ops' CPU references compute in float64 with
+# Dispatch: CUDA tensors -> the zerodiff op (Triton / verified backends); CPU tensors -> the exact-structure
+# implementation in zerodiff.model.interim (the ops' CPU references compute in float64 with
 # shape-dependent BLAS / vectorised exp, whose rare last-bit flips would make CPU CI flaky; the interim
 # implementations have the same contracts up to rounding and are row-invariant by construction).
 def rms_norm(x, w, eps):
@@ -90,7 +90,7 @@ def sparse_attention(q, kv, indices, sm_scale, d_v):
     return _I.sparse_attention(q, kv, indices, sm_scale, d_v)
 
 
-indexer_scores = _I.indexer_scores  # CPU INTERIM (CUDA: zerodiff.ops.indexer.indexer_topk, see ConsistentOps)
+indexer_scores = _I.indexer_scores  # CPU interim (CUDA: zerodiff.ops.indexer.indexer_topk, see ConsistentOps)
 
 
 def route(logits, k, *, bias=None, routed_scale=1.0, topk_fn=None):
@@ -106,7 +106,8 @@ INTERIM_OPS = ("CPU only: rms_norm, bf16_gemm, router_gemm, token_logprobs, spar
                "zerodiff.ops.moe.moe_experts, masked layout in decode graphs, contiguous elsewhere)")
 
 #: The frozen baseline (negative control and throughput reference), per op. CUDA rows are the fast stock paths
-#: of DESIGN.md's baseline table (zerodiff.model.baseline_cuda); CPU rows are torch stand-ins for CI only.
+#: of the baseline table in docs/results.md (zerodiff.model.baseline_cuda); CPU rows are torch stand-ins for CI
+#: only.
 BASELINE_CHOICE = {
     "pairing": "the same stock ops on both sides (rollout and training forward, BaselineRolloutOps): equal kernels "
                "and precision, so a difference comes only from the stock kernels' dependence on the batch and the "
@@ -126,8 +127,8 @@ BASELINE_CHOICE = {
                  "tokens: its rows take the prefill path)",
     "DSA indexer": "same scores as the consistent path (CUDA: zerodiff.ops.indexer.index_scores; CPU: interim), "
                    "then torch.topk",
-    "mHC": "CUDA: zerodiff.ops.mhc.mhc_pre_split_baseline gemm=auto (DeepGEMM tf32_hc_prenorm_gemm as vLLM) with "
-           "the batch-size split heuristic; CPU: same with torch GEMM",
+    "mHC": "CUDA: zerodiff.baselines.mhc.mhc_pre_split_baseline gemm=auto (DeepGEMM tf32_hc_prenorm_gemm as vLLM) "
+           "with the batch-size split heuristic; CPU: same with torch GEMM",
     "rms norm / log-softmax / lm head": "stock torch FP32 ops (shape-dependent reductions)",
     "cuda graphs": "same policy as the consistent mode: pure-decode steps replay graphs captured per padded "
                    "batch size, mixed steps eager",
@@ -668,7 +669,7 @@ class BaselineRolloutOps(ConsistentOps):
         return F.linear(x.float(), w.float())  # stock FP32 router GEMM (shape-dependent cuBLAS/CPU kernel)
 
     def k_mhc_pre(self, X, fn, scale, base):
-        from zerodiff.ops.mhc import mhc_pre_split_baseline
+        from zerodiff.baselines.mhc import mhc_pre_split_baseline
 
         if X.is_cuda:  # vLLM's path: DeepGEMM tf32_hc_prenorm_gemm with the batch-size split heuristic
             info: dict = {}
@@ -780,7 +781,7 @@ class BaselineTrainOps(BaselineRolloutOps):
         return F.linear(x.float(), w.float())
 
     def k_mhc_pre(self, X, fn, scale, base):
-        from zerodiff.ops.mhc import mhc_pre_torch_eager
+        from zerodiff.baselines.mhc import mhc_pre_torch_eager
 
         return mhc_pre_torch_eager(X, fn, scale, base, sinkhorn_iters=self.cfg.sinkhorn_iters,
                                    rms_eps=self.cfg.rms_eps)

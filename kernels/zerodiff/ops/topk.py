@@ -10,6 +10,9 @@ Public API::
     topk_routing(scores, k, *, backend=None) -> (scores fp32 [T, k], ids int32 [T, k])
         convenience for expert routing: the same selection, ids sorted by expert id DESCENDING.
 
+``scores`` fp32 [R, W] (2-D, any strides, W <= 2^30); ``lengths`` int32 / int64 [R] on the same device (valid
+prefix of each row, 0 <= L <= W) or None (every row full); ``k`` a Python int in [1, 65536].
+
 Numerical contract (identical to ``zerodiff.reference.topk``, which states it in full):
 
 * 64-bit key = (order-preserving map of the fp32 score bits << 32) | request-local position; the
@@ -20,73 +23,45 @@ Numerical contract (identical to ``zerodiff.reference.topk``, which states it in
   Returned scores are the input's bits at those positions, ``-inf`` on padding.
 * Positions never depend on the batch: no float arithmetic at all (integer keys, exact counts, integer
   atomics whose sums are order-free), every program reads one row only (one program per row, or a fixed
-  number of slices per row in the split variant), and every configuration is chosen from the row width
+  number of slices per row in the split design), and every configuration is chosen from the row width
   W only, never from the number of rows.
 
-Kernel design, "single" (one kernel for prefill rows, decode rows and routing rows): one program per
-row. The k-th largest key is found by radix select on the 32 mapped score bits: 11-bit digits (10+11+11, at most 3
-passes) for rows wider than 2048, 8-bit digits (at most 4 passes) for narrow rows; a pass that already
-isolates the boundary exactly ends the search early. Each pass is one ``tl.histogram`` (masked to the
-candidates that still match the prefix) per fixed-size chunk of the row. Ties at the threshold score are
-resolved by position while emitting: the row is scanned from its right end chunk by chunk and suffix
-counts (``tl.cumsum``) give each selected element its output slot, which yields the descending-position
-order without any sort. Every loop prefetches its next chunk. Rows with ``length <= k`` skip the radix
-passes (everything valid is selected). Columns past a row's length never influence it
-(at most 15 of them are read, never past W).
+Kernel design "single" (rows narrower than ``SPLIT_MIN_W``: routing, short contexts; wide rows too with
+``VARIANT = "single"``): one program per row. The k-th largest key is found by radix select on the 32 mapped
+score bits: 11-bit digits (10+11+11, at most 3 passes) for rows wider than 2048, 8-bit digits (at most 4
+passes) for narrow rows; a pass that already isolates the boundary exactly ends the search early. Each pass
+is one ``tl.histogram`` (masked to the candidates that still match the prefix) per fixed-size chunk of the
+row. Ties at the threshold score are resolved by position while emitting: the row is scanned from its right
+end chunk by chunk and suffix counts (``tl.cumsum``) give each selected element its output slot, which
+yields the descending-position order without any sort. Every loop prefetches its next chunk. Rows with
+``length <= k`` skip the radix passes (everything valid is selected). Columns past a row's length never
+influence it (at most 15 of them are read, never past W).
 
-Split variant (``VARIANT = "split"``, rows at least ``SPLIT_MIN_W`` wide; same bits, exact integer logic):
-the row is cut into NS = ceil(W / SW) slices (SW from W only, about W/2 in [1024, 8192]). Slices at or past a row's length do nothing.
-``LV`` launches of NS programs per row each histogram one full-row digit (default 2 levels of 8 bits) of the
-candidates whose higher digits match the prefix chosen by the previous levels; slices add their counts into
-the row's level histogram with integer atomics (exact, order-free). Every program replays the radix
-decisions from those histograms (``_split_state``), so no host sync and no extra launch is needed between
-levels. A compaction launch (NS programs per row) keeps, in position order, each slice's candidates that
-can still be selected (key >= the boundary prefix, or >= T once T is final) in the slice's own scratch
-region. One finishing program per row runs the remaining radix passes (default 2 x 8 bits) over that kept
-list only, then emits from its right end exactly like the single kernel. Scratch: 8 bytes per row element
-(rows are processed in blocks of at most ``SPLIT_SCRATCH_BYTES``) plus 1 KB of histograms per row.
-Launches: 1 memset + LV + 2. The configuration never depends on the number of rows.
+Kernel design "split" (``VARIANT = "split"``, the default, for rows at least ``SPLIT_MIN_W`` = 4096 wide; same
+bits, exact integer logic): the row is cut into NS = ceil(W / SW) slices (SW from W only, about W/2 in
+[1024, 8192]). Slices at or past a row's length do nothing. ``LV`` launches of NS programs per row each
+histogram one full-row digit (2 levels of 8 bits) of the candidates whose higher digits match the prefix
+chosen by the previous levels; slices add their counts into the row's level histogram with integer atomics
+(exact, order-free). Every program replays the radix decisions from those histograms (``_split_state``), so
+no host sync and no extra launch is needed between levels. A compaction launch (NS programs per row) keeps,
+in position order, each slice's candidates that can still be selected (key >= the boundary prefix, or >= T
+once T is final) in the slice's own scratch region. One finishing program per row runs the remaining radix
+passes (2 x 8 bits) over that kept list only, then emits from its right end exactly like the single kernel.
+Scratch: 8 bytes per row element (rows are processed in blocks of at most ``SPLIT_SCRATCH_BYTES``) plus 1 KB
+of histograms per row. Launches: 1 memset + LV + 2. The configuration never depends on the number of rows.
 
-Performance analysis (H200, 2026-11-30 graph timings, k=2048; why the single kernel is slow):
-* Bytes: a 64K row is 256 KB; the single kernel reads it 4 times (3 radix passes + emission), 1 MB/row,
-  1 GB at 1024 rows = 0.2 ms at H200 bandwidth. Flops: none (integer compares/shifts). Neither explains
-  0.92 ms for ONE row or 6.58 ms for 1024 rows.
-* The cost is instruction issue inside ``tl.histogram`` (estimate from the design of Triton's NVIDIA
-  lowering, not a profile). Triton lowers it per warp as: one ballot per bit
-  of the bin index, then every lane builds the indicator of each of its NB/32 bins from those ballots
-  (log2(NB) logic ops per bin) and popcounts it: about (NB/32)(log2 NB + 2) + log2 NB warp instructions
-  per 32 elements -> ~26 warp-instr per element at NB=2048 (11-bit digits), ~12 at 1024, ~2.75 at 256,
-  ~1.3 at 128. (No per-element shared-memory atomics: bin contention is not the problem.)
-  The single kernel's 3 passes x 26 + emission ~ 80 warp-instr/element -> 5.2 M per 64K row; one SM issues
-  at most 4 per cycle: >= 0.75 ms per row on one SM (measured 0.92 ms, rows=1) and
-  1024 x 5.2 M / (132 SMs x 4) -> >= 5.7 ms at 1024 rows (measured 6.58 ms). The model fits both.
-  rows=1 and rows=64 also leave most of the 132 SMs idle (one program per row).
-* Split default predicted cost: 2 x (2.75 + ~0.5) for the two 8-bit row levels + ~1 for the compaction
-  ~ 7.5 warp-instr/element (about 10x less), spread over NS=16 programs per 64K row; the finishing
-  program handles ~k + (one 16-bit-prefix bin) elements. Kept-list sizes computed on the CPU (k=2048,
-  W=64K; after 8 / 16 / 24 key bits): randn 20165 / 2065 / 2048, bf16-rounded 20052 / 2067 / 2067,
-  sum of 8 relus (indexer-like, non-negative) 48891 / 2098 / 2048, multiples of 1/8 21694 / 2270 / 2270:
-  one 8-bit level (LV=1) leaves 30-75% of the row to one program, two levels ~k. Predictions (to be measured
-  by ``bench_topk.py --sweep``): rows=1 W=64K ~25-35 us (stock 77 us), rows=64 W=64K ~50 us (stock 128),
-  rows=1024 W=64K ~0.5-0.7 ms (stock 0.91), rows=1024 W=8K ~0.1-0.15 ms (stock 0.20), rows=1 W=8K ~20 us
-  (stock 67). Extra: 3 full-row reads instead of 4, the scratch round trip of the kept list.
-* Risk: rows whose scores concentrate in one 16-bit key prefix (plateaus, heavy quantisation) keep a long
-  list and the finishing program (one per row) does the work alone; worst case (all equal) ~ the single
-  kernel with 8-bit digits on one SM. The single kernel with 8-bit digits (``digit=8``: 4 passes x
-  ~3.25) is the runner-up config for wide rows (~5x less issue than 11-bit digits, still one SM per row).
+Backends: ``None`` -> Triton for CUDA tensors, the reference for CPU tensors; ``"triton"`` (CPU tensors run
+through Triton's interpreter: small shapes only); ``"reference"``. The Triton design for wide rows is the
+module constant ``VARIANT`` (environment ``ZD_TOPK_VARIANT``, read at every call); both designs give
+identical positions, so the choice is about speed only.
 
-Bad input raises ValueError naming the problem (see the reference). Dtype/shape/k are always checked on
-the host (no sync). ``lengths`` VALUES (0 <= L <= W) are checked for CPU tensors, and for CUDA tensors only
-with ``check_lengths=True`` (a device sync; refused during CUDA-graph capture); the kernel clamps every
-length to ``[0, W]`` in any case, so a bad value can never read out of bounds.
-
-Backends: ``None`` -> Triton for CUDA tensors, the reference for CPU tensors; ``"triton"`` (CPU tensors
-run through Triton's interpreter: small shapes only); ``"reference"``. The Triton design is chosen by the
-module constant ``VARIANT`` ("split", the default since the H200 timings of 2026-11-30, or "single";
-environment ``ZD_TOPK_VARIANT``), for rows at least ``SPLIT_MIN_W`` = 4096 wide; narrower rows always run
-"single". Both designs give identical positions (exact integer logic); measured on the H200 (k=2048,
-ours/torch.topk, medians, rows 1 / 64 / 1024) with the slice width chosen in :func:`_split_config`:
-W=8K 0.63 / 0.58 / 0.82, W=64K 0.68 / 0.82 / 1.21; the single design 1.9-12x (docs/benchmarks.md).
+Failure modes: bad input raises ValueError naming the problem (see the reference). Dtype/shape/k are always
+checked on the host (no sync). ``lengths`` VALUES (0 <= L <= W) are checked for CPU tensors, and for CUDA
+tensors only with ``check_lengths=True`` (a device sync; refused during CUDA-graph capture); the kernel
+clamps every length to ``[0, W]`` in any case, so a bad value can never read out of bounds. An unknown
+``VARIANT`` fails closed with a ValueError. Speed, not bits: in the split design, rows whose scores
+concentrate in one 16-bit key prefix (plateaus, heavy quantisation) keep a long list that the one
+finishing program per row works through alone.
 """
 
 from __future__ import annotations
@@ -439,10 +414,10 @@ def _config(W: int) -> tuple[int, int, int]:
 
 
 #: which kernel design the public entry point runs for rows of width >= SPLIT_MIN_W: "split" (the default:
-#: LV + 2 launches, see the module docstring; 3-8x faster than "single" on the H200) or "single" (one
-#: program per row). Both give identical bits (exact integer logic, tested against the reference); the
-#: choice is about speed only. Override with the environment variable ZD_TOPK_VARIANT or by assigning
-#: ``zerodiff.ops.topk.VARIANT``; it is read at every call and never depends on the number of rows.
+#: LV + 2 launches, see the module docstring) or "single" (one program per row). Both give identical bits
+#: (exact integer logic, tested against the reference); the choice is about speed only. Override with the
+#: environment variable ZD_TOPK_VARIANT or by assigning ``zerodiff.ops.topk.VARIANT``; it is read at every
+#: call and never depends on the number of rows.
 VARIANT = os.environ.get("ZD_TOPK_VARIANT", "split")
 VARIANTS = ("single", "split")
 #: the split variant is used only for rows at least this wide (narrow rows: routing, short contexts)
@@ -454,56 +429,18 @@ SPLIT_SCRATCH_BYTES = 256 << 20
 
 @functools.lru_cache(maxsize=None)
 def _split_config(W: int) -> dict:
-    """Split-variant configuration from the row width only.
+    """Split-design configuration from the row width only.
 
     SW: slice width (one program per slice in the full-row launches), about W/2 within [1024, 8192]
-    (rows up to 256K: at most 32 slices). H200 sweep 2026-11-30 (ours/torch.topk at rows 1 / 64 /
-    1024): W=8K SW 4096 0.63 / 0.58 / 0.82, SW 2048 0.63 / 0.59 / 0.91, SW 1024 0.70 / 0.70 / 1.27;
-    W=64K SW 8192 0.68 / 0.82 / 1.21, SW 4096 0.93 / 1.09 / 1.60, SW 16384 0.89 / 0.87 / 1.37;
-    D0, LV: LV full-row levels of D0-bit digits (2 x 8 bits: two 256-bin histograms over the row);
-    D: digit of the passes over the kept list (32 - D0*LV must be a multiple of D: 2 passes of 8 bits);
-    CH: chunk of the finishing program; W1/W2/W3: warps of the histogram / compaction / finishing launches.
+    (rows up to 256K: at most 32 slices); D0, LV: LV full-row levels of D0-bit digits (2 x 8 bits: two
+    256-bin histograms over the row); D: digit of the passes over the kept list (32 - D0*LV must be a
+    multiple of D: 2 passes of 8 bits); CH: chunk of the finishing program; W1/W2/W3: warps of the
+    histogram / compaction / finishing launches.
     """
     sw = 1024
     while sw * 2 < W and sw < 8192:
         sw *= 2
     return dict(SW=sw, D0=8, LV=2, D=8, CH=512, W1=8 if sw >= 4096 else 4, W2=8 if sw >= 4096 else 4, W3=4)
-
-
-#: split-config overrides the benchmark sweep times and the GPU tests check (each one exact by
-#: construction; only the speed differs). Key "name" is a label; the rest override _split_config(W).
-SPLIT_CANDIDATES = (
-    dict(name="default"),  # 2 full-row levels of 8 bits, 2 passes of 8 bits over the kept list
-    dict(name="lv1-d0_8", LV=1, D0=8, D=8),  # 1 full-row level: large kept list (whole octave pairs)
-    dict(name="lv1-d0_10-d11", LV=1, D0=10, D=11),  # 1 level of 1024 bins (4.5x the cost per element)
-    dict(name="lv3-d0_8", LV=3, D0=8, D=8),  # 3 full-row levels: tiny kept list, one more row read
-    dict(name="lv2-d0_6-d10", LV=2, D0=6, D=10),  # cheaper row histograms, 1024-bin finish passes
-    dict(name="ch1024", CH=1024),
-    dict(name="ch256", CH=256),
-    dict(name="sw_half", SW="half"),  # twice as many slices (more programs for few rows)
-    dict(name="sw_double", SW="double"),  # half as many slices (fewer, longer programs)
-    dict(name="sw_quad", SW="quad"),  # a quarter of the slices
-    dict(name="lv3_sw_double", LV=3, SW="double"),  # tiny kept list, fewer programs
-    dict(name="w1_4", W1=4, W2=4),
-    dict(name="w3_8", W3=8),
-)
-
-
-#: the widest slice a sweep candidate asks for (one program holds SW keys in registers: 16K at 8 warps is
-#: 64 per thread; measured at W=64K: 16K slices were slower than 8K)
-SPLIT_MAX_CANDIDATE_SW = 16384
-
-
-def split_candidate(W: int, cand: dict) -> dict:
-    """The full split config of a SPLIT_CANDIDATES entry at width W (benchmarks and GPU tests)."""
-    cfg = {key: v for key, v in cand.items() if key != "name"}
-    if cfg.get("SW") == "half":
-        cfg["SW"] = max(16, _split_config(W)["SW"] // 2)
-    elif cfg.get("SW") == "double":
-        cfg["SW"] = min(SPLIT_MAX_CANDIDATE_SW, _split_config(W)["SW"] * 2)
-    elif cfg.get("SW") == "quad":
-        cfg["SW"] = min(SPLIT_MAX_CANDIDATE_SW, _split_config(W)["SW"] * 4)
-    return cfg
 
 
 def _check_variant(variant) -> str:
@@ -567,9 +504,10 @@ _HIST_MASK = zt.HAVE_TRITON and _hist_mask_supported()
 
 def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist_mask=None, num_warps=None,
                  variant=None, split=None):
-    """Run a Triton variant. ``variant`` None = :data:`VARIANT` (for W >= SPLIT_MIN_W; narrower rows always
+    """Run a Triton design. ``variant`` None = :data:`VARIANT` (for W >= SPLIT_MIN_W; narrower rows always
     run "single"); an explicit "split" runs the split kernels at any width (tests). ``split``: overrides
-    of :func:`_split_config` keys (tests and benchmark sweeps only)."""
+    of :func:`_split_config` keys; ``chunk`` / ``digit`` / ``hist_mask`` / ``num_warps``: overrides of the
+    single design's configuration (tests, benchmark sweeps and ``zerodiff.experimental.topk_variants``)."""
     zt.require_triton()
     if variant is None:
         variant = _check_variant(VARIANT)
@@ -632,7 +570,7 @@ def deterministic_topk(scores: torch.Tensor, k: int, lengths: torch.Tensor | Non
     """Positions of the k largest (score, position) keys per row, sorted by position descending.
 
     See the module docstring for the contract. ``backend``: None | "triton" | "reference".
-    ``check_lengths`` (addition to the team API): validate the VALUES of ``lengths`` (0 <= L <= W) on the
+    ``check_lengths``: validate the VALUES of ``lengths`` (0 <= L <= W) on the
     host. Default None = only for CPU tensors, because on CUDA it costs a device sync per call and is
     impossible inside CUDA-graph capture; the kernel clamps every length to [0, W] regardless.
     """
