@@ -698,7 +698,7 @@ def test_vllm_mhc_adapters_are_the_zerodiff_ops(seeded):
 def test_vllm_mhc_victim_in_batch_and_stock_control(seeded):
     """A token's mHC outputs through the adapter do not depend on the batch; the stock-style split chosen
     from the token count (what vLLM's TileLang path does) gives the same token other bits at T = 5000."""
-    from zerodiff.ops import mhc as zmhc
+    from zerodiff.baselines import mhc as stock_mhc
 
     g = seeded()
     res, fn, scale, base = _mhc_case(g, T=1, H=256)
@@ -714,8 +714,8 @@ def test_vllm_mhc_victim_in_batch_and_stock_control(seeded):
     big[1234] = res[0]
     skw = dict(n_sms=132, gemm="torch", epilogue="torch", rms_eps=1e-6, hc_pre_eps=1e-6, hc_sinkhorn_eps=1e-6,
                hc_post_mult=2.0, sinkhorn_iters=20)
-    a = zmhc.mhc_pre_split_baseline(res, fn, scale, base, **skw)
-    b = zmhc.mhc_pre_split_baseline(big, fn, scale, base, **skw)
+    a = stock_mhc.mhc_pre_split_baseline(res, fn, scale, base, **skw)
+    b = stock_mhc.mhc_pre_split_baseline(big, fn, scale, base, **skw)
     assert any(not torch.equal(x[0], y[1234]) for x, y in zip(a, b)), "stock control did not differ"
 
 
@@ -942,7 +942,7 @@ def test_gpu_mhc_adapters_under_torch_compile_and_victim_rows():
     """vLLM's DeepSeek-V4 mHC seam through the adapters (fused post+pre with the fused norm, then the head):
     eager == torch.compile(fullgraph) and a token's outputs alone == inside any batch; negative control: the
     stock-style split chosen from T changes the token (DeepGEMM TF32 GEMM where available)."""
-    from zerodiff.ops import mhc as zmhc
+    from zerodiff.baselines import mhc as stock_mhc
     from zerodiff.reference import mhc as mref
 
     g = _cuda_gen(3)
@@ -980,8 +980,8 @@ def test_gpu_mhc_adapters_under_torch_compile_and_victim_rows():
     big = torch.randn(5000, n, H, device="cuda", generator=g).bfloat16()
     big[1234] = victim[1][0]
     skw = dict(rms_eps=1e-6, hc_pre_eps=1e-6, hc_sinkhorn_eps=1e-6, hc_post_mult=2.0, sinkhorn_iters=20)
-    a = zmhc.mhc_pre_split_baseline(victim[1], fn, scale, base, **skw)
-    b = zmhc.mhc_pre_split_baseline(big, fn, scale, base, **skw)
+    a = stock_mhc.mhc_pre_split_baseline(victim[1], fn, scale, base, **skw)
+    b = stock_mhc.mhc_pre_split_baseline(big, fn, scale, base, **skw)
     assert any(not torch.equal(x[0], y[1234]) for x, y in zip(a, b)), "stock split control did not differ"
 
 
