@@ -401,7 +401,8 @@ class Worker:
 
 
 # --------------------------------------------------------------------------------------------- the run
-def side_env(consistent: bool, fp8_gemm_backend: str | None = None, stock_deep_gemm_warmup: str | None = None) -> dict:
+def side_env(consistent: bool, fp8_gemm_backend: str | None = None,
+             stock_deep_gemm_warmup: str | None = None) -> dict:
     """The environment of one engine process. The consistent side also pins zerodiff's block-FP8 GEMM backend
     (``ZERODIFF_FP8_GEMM_BACKEND``; both RL sides must use the same) and skips vLLM's DeepGEMM warm-up (its
     linears run zerodiff's GEMM, not vLLM's DeepGEMM kernels). The stock side's ``VLLM_DEEP_GEMM_WARMUP`` is
@@ -554,8 +555,8 @@ def run_bench(args, checkpoint: str, vocab: int, doc: dict, factory=None, log=pr
             kw = engine_kwargs(checkpoint, consistent=consistent, eager=False, max_model_len=args.max_model_len,
                                gpu_memory_utilization=args.bench_gpu_memory_utilization,
                                max_num_seqs=max(args.max_num_seqs, max(args.bench_concurrency)))
-            workers[label] = Worker(f"bench-{label}", side_env(consistent, args.fp8_gemm_backend, args.stock_deep_gemm_warmup), kw,
-                                    factory=factory, log=log)
+            env = side_env(consistent, args.fp8_gemm_backend, args.stock_deep_gemm_warmup)
+            workers[label] = Worker(f"bench-{label}", env, kw, factory=factory, log=log)
         # the profile first: short, it doubles as a first warm-up, and a bench cut off later still has it
         prof_reqs = make_bench_requests(vocab, min(64, max(args.bench_concurrency)), seed=args.seed + 1,
                                         prompt=(256, 512), output=(64, 65))
