@@ -25,7 +25,7 @@ if zt.HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from zerodiff.ops.mhc import _aggregate_row, _colsum_seq, _rowsum_seq, _sigmoid_rn
+    from zerodiff.ops.mhc import _finish_pre_row
 
 __all__ = ["stock_num_splits", "pre_epilogue", "mhc_pre_split_baseline", "mhc_pre_torch_eager"]
 
@@ -60,25 +60,8 @@ if zt.HAVE_TRITON:
             pre_r = pre_r + tl.load(ms + n)
             post_r = post_r + tl.load(ms + NH + n)
             comb_r = comb_r + tl.load(ms + 2 * NH + ii * NH + jj)
-        kf = K.to(tl.float32)
-        rms = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sq, kf) + rms_eps))
-        s0 = tl.load(scale_ptr)
-        s1 = tl.load(scale_ptr + 1)
-        s2 = tl.load(scale_ptr + 2)
-        pre = _sigmoid_rn((pre_r * rms) * s0 + tl.load(base_ptr + n)) + pre_eps
-        post = _sigmoid_rn((post_r * rms) * s1 + tl.load(base_ptr + NH + n)) * post_mult
-        c = (comb_r * rms) * s2 + tl.load(base_ptr + 2 * NH + ii * NH + jj)
-        # Sinkhorn: row softmax + eps, column normalisation, then ITERS-1 (row, column) rounds
-        mx = tl.max(c, axis=1)
-        e = tl.exp(c - mx[:, None])
-        c = tl.div_rn(e, _rowsum_seq(e, NH)[:, None]) + sk_eps
-        c = tl.div_rn(c, (_colsum_seq(c, NH) + sk_eps)[None, :])
-        for _ in range(ITERS - 1):
-            c = tl.div_rn(c, (_rowsum_seq(c, NH) + sk_eps)[:, None])
-            c = tl.div_rn(c, (_colsum_seq(c, NH) + sk_eps)[None, :])
-        tl.store(post_ptr + row * NH + n, post)
-        tl.store(comb_ptr + row * NH * NH + ii * NH + jj, c)
-        _aggregate_row(pre, res_ptr, li_ptr, row, H, NH, BLOCK_H, EXACT)
+        _finish_pre_row(sq, pre_r, post_r, comb_r, row, K, scale_ptr, base_ptr, res_ptr, li_ptr, post_ptr, comb_ptr,
+                        H, rms_eps, pre_eps, sk_eps, post_mult, ITERS, NH, BLOCK_H, EXACT)
 
 
 # --------------------------------------------------------------------------------------- launchers

@@ -231,6 +231,36 @@ if zt.HAVE_TRITON:
         launch config (never by T); padded splits load +0."""
         return tl.sum(tl.load(ptr + offs, mask=smask, other=0.0), axis=0)
 
+    @triton.jit
+    def _finish_pre_row(sq, pre_r, post_r, comb_r, row, K, scale_ptr, base_ptr, res_ptr, li_ptr, post_ptr, comb_ptr,
+                        H, rms_eps, pre_eps, sk_eps, post_mult, ITERS,
+                        NH: tl.constexpr, BLOCK_H: tl.constexpr, EXACT: tl.constexpr):
+        # one token's mHC pre from its summed mix (pre_r [NH], post_r [NH], comb_r [NH, NH]) and sum of squares:
+        # RMS scale, the three gates, Sinkhorn, the stores and the pre-weighted aggregate of the residual streams;
+        # shared by every epilogue so that only the order of the split sums differs between them
+        n = tl.arange(0, NH)
+        ii = tl.arange(0, NH)[:, None]
+        jj = tl.arange(0, NH)[None, :]
+        kf = K.to(tl.float32)
+        rms = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sq, kf) + rms_eps))
+        s0 = tl.load(scale_ptr)
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        pre = _sigmoid_rn((pre_r * rms) * s0 + tl.load(base_ptr + n)) + pre_eps
+        post = _sigmoid_rn((post_r * rms) * s1 + tl.load(base_ptr + NH + n)) * post_mult
+        c = (comb_r * rms) * s2 + tl.load(base_ptr + 2 * NH + ii * NH + jj)
+        # Sinkhorn: row softmax + eps, column normalisation, then ITERS-1 (row, column) rounds
+        mx = tl.max(c, axis=1)
+        e = tl.exp(c - mx[:, None])
+        c = tl.div_rn(e, _rowsum_seq(e, NH)[:, None]) + sk_eps
+        c = tl.div_rn(c, (_colsum_seq(c, NH) + sk_eps)[None, :])
+        for _ in range(ITERS - 1):
+            c = tl.div_rn(c, (_rowsum_seq(c, NH) + sk_eps)[:, None])
+            c = tl.div_rn(c, (_colsum_seq(c, NH) + sk_eps)[None, :])
+        tl.store(post_ptr + row * NH + n, post)
+        tl.store(comb_ptr + row * NH * NH + ii * NH + jj, c)
+        _aggregate_row(pre, res_ptr, li_ptr, row, H, NH, BLOCK_H, EXACT)
+
     @triton.jit(do_not_specialize=["T"])  # one binary for every token count (T == 1 included)
     def _mhc_pre_epilogue_splits_kernel(
         mix_ptr, sq_ptr, scale_ptr, base_ptr, res_ptr, li_ptr, post_ptr, comb_ptr,
@@ -252,25 +282,8 @@ if zt.HAVE_TRITON:
         post_r = _load_split_sum(mix_ptr, mrow[:, None] + NH + n[None, :], smask[:, None])
         comb_r = _load_split_sum(mix_ptr, mrow[:, None, None] + 2 * NH + ii[None, :, :] * NH + jj[None, :, :],
                                  smask[:, None, None])
-        kf = K.to(tl.float32)
-        rms = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sq, kf) + rms_eps))
-        s0 = tl.load(scale_ptr)
-        s1 = tl.load(scale_ptr + 1)
-        s2 = tl.load(scale_ptr + 2)
-        pre = _sigmoid_rn((pre_r * rms) * s0 + tl.load(base_ptr + n)) + pre_eps
-        post = _sigmoid_rn((post_r * rms) * s1 + tl.load(base_ptr + NH + n)) * post_mult
-        c = (comb_r * rms) * s2 + tl.load(base_ptr + 2 * NH + ii * NH + jj)
-        # Sinkhorn: row softmax + eps, column normalisation, then ITERS-1 (row, column) rounds
-        mx = tl.max(c, axis=1)
-        e = tl.exp(c - mx[:, None])
-        c = tl.div_rn(e, _rowsum_seq(e, NH)[:, None]) + sk_eps
-        c = tl.div_rn(c, (_colsum_seq(c, NH) + sk_eps)[None, :])
-        for _ in range(ITERS - 1):
-            c = tl.div_rn(c, (_rowsum_seq(c, NH) + sk_eps)[:, None])
-            c = tl.div_rn(c, (_colsum_seq(c, NH) + sk_eps)[None, :])
-        tl.store(post_ptr + row * NH + n, post)
-        tl.store(comb_ptr + row * NH * NH + ii * NH + jj, c)
-        _aggregate_row(pre, res_ptr, li_ptr, row, H, NH, BLOCK_H, EXACT)
+        _finish_pre_row(sq, pre_r, post_r, comb_r, row, K, scale_ptr, base_ptr, res_ptr, li_ptr, post_ptr, comb_ptr,
+                        H, rms_eps, pre_eps, sk_eps, post_mult, ITERS, NH, BLOCK_H, EXACT)
 
     @triton.jit(do_not_specialize=["T"])  # one binary for every token count (T == 1 included)
     def _hc_head_epilogue_splits_kernel(
