@@ -45,7 +45,7 @@ if zt.HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from zerodiff.ops.mhc import _bf16_to_f32
+    from zerodiff.ops.mhc import _bf16_to_f32, _load_prenorm_block
 
 __all__ = ["PrenormVariant", "VARIANTS", "SHIPPED", "variant_splits", "prenorm_gemm_splitk", "mhc_pre", "hc_head"]
 
@@ -77,13 +77,7 @@ if zt.HAVE_TRITON:
         w_base = fn_ptr + cols[None, :] * K
         for kb in range(BPS):
             ks = k0 + kb * BK + tl.arange(0, BK)
-            if EVEN_K:
-                x = tl.load(x_base + ks[None, :], mask=rmask[:, None], other=0.0)
-                w = tl.load(w_base + ks[:, None], mask=cmask[None, :], other=0.0)
-            else:
-                kmask = ks < K
-                x = tl.load(x_base + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                w = tl.load(w_base + ks[:, None], mask=cmask[None, :] & kmask[:, None], other=0.0)
+            x, w = _load_prenorm_block(x_base, w_base, ks, rmask, cmask, K, EVEN_K)
             xf = _bf16_to_f32(x, EXACT)
             sq = sq + tl.sum(xf * xf, axis=1)
             acc = tl.dot(xf, w, acc, input_precision=PREC)

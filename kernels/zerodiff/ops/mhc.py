@@ -140,6 +140,19 @@ if zt.HAVE_TRITON:
         w3 = (r2.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
         return w1, w2, w3
 
+    @triton.jit
+    def _load_prenorm_block(x_base, w_base, ks, rmask, cmask, K, EVEN_K: tl.constexpr):
+        # one K block of the pre-norm projection: x [BM, BK] (bf16 residual rows) and w [BK, BN] (fp32 fn rows);
+        # rows past T, columns past NMIX and (unless EVEN_K) k past K load +0
+        if EVEN_K:
+            x = tl.load(x_base + ks[None, :], mask=rmask[:, None], other=0.0)
+            w = tl.load(w_base + ks[:, None], mask=cmask[None, :], other=0.0)
+        else:
+            kmask = ks < K
+            x = tl.load(x_base + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_base + ks[:, None], mask=cmask[None, :] & kmask[:, None], other=0.0)
+        return x, w
+
     @triton.jit(do_not_specialize=["T"])  # one binary for every token count (T == 1 included)
     def _prenorm_splitk_kernel(
         x_ptr, fn_ptr, mix_ptr, sq_ptr, T, K,
@@ -163,13 +176,7 @@ if zt.HAVE_TRITON:
         w_base = fn_ptr + cols[None, :] * K
         for kb in range(BPS):
             ks = k0 + kb * BK + tl.arange(0, BK)
-            if EVEN_K:
-                x = tl.load(x_base + ks[None, :], mask=rmask[:, None], other=0.0)
-                w = tl.load(w_base + ks[:, None], mask=cmask[None, :], other=0.0)
-            else:
-                kmask = ks < K
-                x = tl.load(x_base + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                w = tl.load(w_base + ks[:, None], mask=cmask[None, :] & kmask[:, None], other=0.0)
+            x, w = _load_prenorm_block(x_base, w_base, ks, rmask, cmask, K, EVEN_K)
             xf = _bf16_to_f32(x, EXACT)
             sq = sq + tl.sum(xf * xf, axis=1)
             w1, w2, w3 = _split_bf16x3(w)
