@@ -91,6 +91,35 @@ if zt.HAVE_TRITON:
         return m, cand
 
     @triton.jit
+    def _emit_chunk(x, pos, inb, T, need, cnt, ties, k, orow, scrow, RET_SCORES: tl.constexpr):
+        # the final right-to-left pass over one chunk: keys above the threshold key T, and the rightmost `need`
+        # ties at T (counting the `ties` already seen to the right), go to the next output slots from `cnt` on,
+        # rightmost first; returns the updated (cnt, ties)
+        m, cand = _row_keys(x, inb)
+        is_tie = (cand & (m == T)).to(tl.int32)
+        n_tie = tl.sum(is_tie, axis=0)
+        tie_rank = ties + n_tie - tl.cumsum(is_tie, axis=0) + is_tie  # 1 = rightmost tie
+        sel = ((cand & (m > T)) | ((is_tie != 0) & (tie_rank <= need))).to(tl.int32)
+        n_sel = tl.sum(sel, axis=0)
+        slot = cnt + n_sel - tl.cumsum(sel, axis=0)  # rightmost selected -> slot cnt
+        keep = (sel != 0) & (slot < k)
+        tl.store(orow + slot, pos, mask=keep)
+        if RET_SCORES:
+            tl.store(scrow + slot, x, mask=keep)
+        return cnt + tl.sum(keep.to(tl.int32), axis=0), ties + n_tie
+
+    @triton.jit
+    def _pad_row(orow, scrow, cnt, k, CH: tl.constexpr, RET_SCORES: tl.constexpr):
+        # output slots cnt..k-1 of a row with fewer than k valid positions: index -1, score -inf
+        ar = tl.arange(0, CH)
+        for t in range(0, tl.cdiv(k, CH)):
+            o = t * CH + ar
+            pm = (o >= cnt) & (o < k)
+            tl.store(orow + o, tl.full([CH], -1, tl.int32), mask=pm)
+            if RET_SCORES:
+                tl.store(scrow + o, tl.full([CH], float("-inf"), tl.float32), mask=pm)
+
+    @triton.jit
     def _topk_kernel(s_ptr, len_ptr, out_ptr, osc_ptr, W, k, stride_r,
                      HAS_LEN: tl.constexpr, RET_SCORES: tl.constexpr, CHUNK: tl.constexpr,
                      DIGIT: tl.constexpr, NPASS: tl.constexpr, NB: tl.constexpr, HIST_MASK: tl.constexpr):
@@ -177,28 +206,11 @@ if zt.HAVE_TRITON:
             x = x_next
             prv = offs - CHUNK  # prefetch the chunk to the left
             x_next = tl.load(srow + prv, mask=prv >= 0, other=0.0)
-            m, cand = _row_keys(x, inb)
-            is_tie = (cand & (m == T)).to(tl.int32)
-            n_tie = tl.sum(is_tie, axis=0)
-            tie_rank = ties + n_tie - tl.cumsum(is_tie, axis=0) + is_tie  # 1 = rightmost tie
-            sel = ((cand & (m > T)) | ((is_tie != 0) & (tie_rank <= need))).to(tl.int32)
-            n_sel = tl.sum(sel, axis=0)
-            slot = cnt + n_sel - tl.cumsum(sel, axis=0)  # rightmost selected -> slot cnt
-            keep = (sel != 0) & (slot < k)
-            tl.store(orow + slot, offs, mask=keep)
-            if RET_SCORES:
-                tl.store(scrow + slot, x, mask=keep)
-            cnt += tl.sum(keep.to(tl.int32), axis=0)
-            ties += n_tie
+            cnt, ties = _emit_chunk(x, offs, inb, T, need, cnt, ties, k, orow, scrow, RET_SCORES)
             c -= 1
 
         # ---- padding ----
-        for t in range(0, tl.cdiv(k, CHUNK)):
-            o = t * CHUNK + ar
-            pm = (o >= cnt) & (o < k)
-            tl.store(orow + o, tl.full([CHUNK], -1, tl.int32), mask=pm)
-            if RET_SCORES:
-                tl.store(scrow + o, tl.full([CHUNK], float("-inf"), tl.float32), mask=pm)
+        _pad_row(orow, scrow, cnt, k, CHUNK, RET_SCORES)
 
 
     # ---- "split" variant: the row's full scans spread over a fixed number of programs per row ----
@@ -375,26 +387,9 @@ if zt.HAVE_TRITON:
             i = c * CH + ar
             inb = i < N
             x, p = _split_vload(bx_ptr, bp_ptr, base, i, inb, ends, cnts, SW)
-            m, cand = _row_keys(x, inb)
-            is_tie = (cand & (m == T)).to(tl.int32)
-            n_tie = tl.sum(is_tie, axis=0)
-            tie_rank = ties + n_tie - tl.cumsum(is_tie, axis=0) + is_tie
-            sel = ((cand & (m > T)) | ((is_tie != 0) & (tie_rank <= need))).to(tl.int32)
-            n_sel = tl.sum(sel, axis=0)
-            slot = cnt + n_sel - tl.cumsum(sel, axis=0)
-            keep = (sel != 0) & (slot < k)
-            tl.store(orow + slot, p, mask=keep)
-            if RET_SCORES:
-                tl.store(scrow + slot, x, mask=keep)
-            cnt += tl.sum(keep.to(tl.int32), axis=0)
-            ties += n_tie
+            cnt, ties = _emit_chunk(x, p, inb, T, need, cnt, ties, k, orow, scrow, RET_SCORES)
             c -= 1
-        for t in range(0, tl.cdiv(k, CH)):
-            o = t * CH + ar
-            pm = (o >= cnt) & (o < k)
-            tl.store(orow + o, tl.full([CH], -1, tl.int32), mask=pm)
-            if RET_SCORES:
-                tl.store(scrow + o, tl.full([CH], float("-inf"), tl.float32), mask=pm)
+        _pad_row(orow, scrow, cnt, k, CH, RET_SCORES)
 
 
 @functools.lru_cache(maxsize=None)
