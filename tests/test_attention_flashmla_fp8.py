@@ -1,4 +1,5 @@
-"""FlashMLA's FP8 sparse decode kernel under zerodiff's fixed schedule (``zerodiff.ops.attention.flashmla_fp8``), the shipped read path.
+"""The shipped read path: FlashMLA's FP8 sparse decode kernel under zerodiff's fixed schedule
+(``zerodiff.ops.attention.flashmla_fp8``).
 
 CPU: the schedule table (every row reduced in the same pieces whatever the row count, every piece once, partial
 slots inside the kernel's buffers; a batch-scaled schedule is caught by the same check), the position

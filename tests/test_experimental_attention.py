@@ -258,7 +258,8 @@ def test_gpu_split_variant_invariance_andbits(variant):
     assert torch.equal(eager[0], full[0]) and torch.equal(eager[1], full[1])
     # negative control for the victim checks: the batch-dependent split (another CHUNK) changes these rows' bits
     cfg = dict(av.split_variant_config(variant), CHUNK=av.split_variant_config(variant)["CHUNK"] * 4)
-    other = av.sparse_mla_attention_fp8_split_variant(q[:8], cache, bt, req[:8], pos[:8], sc, attn_sink=sink, config=cfg)
+    other = av.sparse_mla_attention_fp8_split_variant(q[:8], cache, bt, req[:8], pos[:8], sc, attn_sink=sink,
+                                                      config=cfg)
     assert not torch.equal(other[0], full[0][:8]), "another CHUNK gave the same bits: the control proves nothing"
 
 

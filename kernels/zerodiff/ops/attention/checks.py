@@ -20,9 +20,8 @@ from .. import kv_cache as _kv
 
 #: the op name every message starts with
 OP = "zerodiff.sparse_attention"
-#: log2(e) and ln(2) in double precision (host-side scale conversions)
+#: log2(e) in double precision (the host-side scale conversion sm_scale -> base 2)
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 #: head counts FlashMLA's kernels take (the same kernel on SM90 and SM100)
 FLASHMLA_HEADS = (64, 128)
 #: FlashMLA's KV block: index-list widths are multiples of it
