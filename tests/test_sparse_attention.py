@@ -11,6 +11,7 @@ import torch
 from attention_inputs import GPU_H, GPU_TOPK, SMALL, causal_positions, gpu_setup, need_flashmla, same_bits, small_cache
 from bitwise import bits
 
+from zerodiff._triton import triton_usable_for
 from zerodiff.ops import attention as sa
 from zerodiff.ops import kv_cache as kc
 from zerodiff.reference.sparse_attention import sparse_attention_ref
@@ -153,6 +154,38 @@ def test_bad_inputs(seeded):
     with pytest.raises(ValueError, match="seq_lens|longer than the table|hole"):
         sa.sparse_mla_attention(q[:1], cache, bt, torch.zeros(1, dtype=torch.int32),
                                 torch.tensor([[40, -1]], dtype=torch.int32), 0.1, **SMALL)
+
+
+
+def test_dispatcher_picks_by_device_library_and_shape_only(seeded, monkeypatch):
+    """``backend=None`` on this machine: ``default_read_backend`` says "flashmla_fp8" only where its ``supports``
+    accepts the call, else the workspace path (the same bits as asking for it); ``READ_BACKEND`` overrides the pick
+    for every call; an unknown name (or a read path that did not ship) is refused."""
+    g = seeded()
+    lens = [20, 11]
+    cache, bt = small_cache(g, lens, SMALL)
+    pos = torch.cat([causal_positions(g, L, 8) for L in lens])
+    req = torch.cat([torch.full((L,), b, dtype=torch.int32) for b, L in enumerate(lens)])
+    q = torch.randn(len(req), 4, 144, generator=g).to(torch.bfloat16)
+    assert sa.default_read_backend(q, pos, **SMALL) is None  # not the model's dims (and no CUDA here)
+    auto = sa.sparse_mla_attention(q, cache, bt, req, pos, 0.1, **SMALL)
+    gather = "triton" if triton_usable_for(q.device) else "reference"
+    ws = sa.sparse_mla_attention(q, cache, bt, req, pos, 0.1, **SMALL, gather_backend=gather)
+    assert same_bits(auto, ws)
+    monkeypatch.setattr(sa, "READ_BACKEND", "reference")
+    ref = sa.sparse_mla_attention(q, cache, bt, req, pos, 0.1, **SMALL)
+    want = sa.sparse_mla_attention(q, cache, bt, req, pos, 0.1, **SMALL, backend="reference",
+                                   gather_backend="reference")
+    assert same_bits(ref, want)
+    monkeypatch.setattr(sa, "READ_BACKEND", None)
+    for bad in ("cudnn", "triton_fp8"):
+        with pytest.raises(ValueError, match="unknown backend"):
+            sa.sparse_mla_attention(q, cache, bt, req, pos, 0.1, **SMALL, backend=bad)
+    with pytest.raises(ValueError, match="rows_per_chunk"):
+        sa.sparse_mla_attention(q, cache, bt, req, pos, 0.1, **SMALL, rows_per_chunk=0)
+    with pytest.raises(ValueError, match="workspace="):
+        sa.sparse_mla_attention(q, cache, bt, req, pos, 0.1, **SMALL, workspace="dense")
+    assert sa.default_sm_scale() == 1 / math.sqrt(576)
 
 
 @pytest.mark.gpu
