@@ -58,8 +58,8 @@ def check_out(out, shape: tuple, path: str | None, *, contiguous: bool) -> None:
         return
     layout_ok = out.is_contiguous() if contiguous else out.stride(-1) == 1
     if out.dtype != torch.bfloat16 or tuple(out.shape) != tuple(shape) or not layout_ok:
-        layout = "contiguous" if contiguous else "with unit last stride"
-        raise fail(path, f"out must be {layout} bf16 {list(shape)}, got {_desc(out)}")
+        layout = "contiguous" if contiguous else "unit last stride"
+        raise fail(path, f"out must be bf16 {list(shape)} ({layout}), got {_desc(out)}")
 
 
 def check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope: int, d_rope: int,
