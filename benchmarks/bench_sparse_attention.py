@@ -16,7 +16,7 @@ decode (one query row per request, 64 heads, d_qk 576, d_v 512, top-k 2048, 656-
 prefill (T rows of one request, each attending to its own causal top-k):
   stock     = vLLM-style: dequantise the request's cache with torch ops, then ``flash_mla_sparse_fwd``
   ours      = the split kernel; workspace_ms = ``sparse_mla_attention(backend="flashmla", workspace="per_request")``
---sweep: times every named split variant (``sa.SPLIT_VARIANTS``: "default" = shipped, "pf" / "pf_s2" = default's tiles
+--sweep: times every named split variant (``attention_variants.SPLIT_VARIANTS``: "default" = shipped, "pf" / "pf_s2" = default's tiles
   with hand-pipelined 16-byte loads and a column-split merge (other bits on the H200), "pf_bn2x" / "pf_chunk2x" / "pf_bh2x" = other tiles)
   against the same stock kernel at B = 1 / 64 / 128 / 256 (graph replay; rows "decode_variant[graph]" with the
   partial / merge launches timed alone and whether the variant's bits equal default's on these inputs) and in
@@ -50,7 +50,9 @@ from common import cubin_usage, median_ms, parser, row, write  # noqa: E402
 
 from zerodiff import backends  # noqa: E402
 from zerodiff.ops import kv_cache as kc  # noqa: E402
-from zerodiff.ops import sparse_attention as sa  # noqa: E402
+from zerodiff.experimental import attention_variants as av  # noqa: E402
+from zerodiff.ops import attention as sa  # noqa: E402
+from zerodiff.ops.attention import triton_split as ts  # noqa: E402
 
 H, DQK, DV, BS = 64, 576, 512, 64
 QUICK_VARIANTS = ("default", "pf", "pf_bn2x", "pf_chunk2x", "pf_bhhalf_w4")  # "default" first: the prefill rows' reference
@@ -166,20 +168,20 @@ def decode_case(B, ctx, k, heads=H):
 def bench_decode(B, ctx, k, reps, rows):
     fm = backends.flash_mla()
     cache, bt, pos, req, q, sc, slots = decode_case(B, ctx, k)
-    cfg = sa.split_config(DV, DQK - DV)
+    cfg = ts.split_config(DV, DQK - DV)
 
     def ours():
         return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="triton_fp8_split")
 
-    parts = sa._split_partials(q, cache, bt, req, pos, sc, DV, DQK - DV, cfg)
+    parts = ts._split_partials(q, cache, bt, req, pos, sc, DV, DQK - DV, cfg)
     out = torch.empty(B, H, DV, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(B, H, dtype=torch.float32, device="cuda")
 
     def split_partial():
-        return sa._split_partials(q, cache, bt, req, pos, sc, DV, DQK - DV, cfg)
+        return ts._split_partials(q, cache, bt, req, pos, sc, DV, DQK - DV, cfg)
 
     def split_merge():
-        return sa._split_merge(parts, None, out, lse, cfg)
+        return ts._split_merge(parts, None, out, lse, cfg)
 
     def workspace():
         return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="flashmla")
@@ -231,8 +233,8 @@ def sweep_decode(B, ctx, k, reps, rows):
     cache, bt, pos, req, q, sc, slots = decode_case(B, ctx, k)
     err: dict = {}
     stock_ms = safe_ms(graphed(stock_decode_fn(fm, q, cache, slots, sc)), err, "stock", rep=reps)
-    base = sa.split_config(DV, DQK - DV)
-    pf = sa.split_variant_config("pf", DV, DQK - DV)
+    base = ts.split_config(DV, DQK - DV)
+    pf = av.split_variant_config("pf", DV, DQK - DV)
     for (bh, bn, chunk, nw, ns), kind in [(c, kd) for c in SWEEP for kd in ("default", "pf")]:
         b0 = base if kind == "default" else pf
         cfg = dict(b0, BLOCK_H=bh, BLOCK_N=bn, CHUNK=chunk, num_warps=nw, num_stages=ns)
@@ -240,7 +242,7 @@ def sweep_decode(B, ctx, k, reps, rows):
         e: dict = {}
 
         def fn(cfg=cfg):
-            return sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, sc, check=False, _config=cfg)
+            return av.sparse_mla_attention_fp8_split_variant(q, cache, bt, req, pos, sc, check=False, config=cfg)
 
         try:
             t = safe_ms(graphed(fn), e, name, rep=reps)
@@ -259,18 +261,18 @@ def sweep_variants_decode(B, ctx, k, reps, rows, variants):
     cache, bt, pos, req, q, sc, slots = decode_case(B, ctx, k)
     err: dict = {}
     stock_ms = safe_ms(stock_decode_fn(fm, q, cache, slots, sc), err, "stock", rep=reps)
-    ref = sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, sc, check=False, variant="default")
+    ref = av.sparse_mla_attention_fp8_split_variant(q, cache, bt, req, pos, sc, check=False, variant="default")
     for v in variants:
-        cfg = sa.split_variant_config(v, DV, DQK - DV)
+        cfg = av.split_variant_config(v, DV, DQK - DV)
         e: dict = {}
         out = torch.empty(B, H, DV, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(B, H, dtype=torch.float32, device="cuda")
 
         def total(v=v, out=out):
-            return sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, sc, check=False, variant=v, out=out)
+            return av.sparse_mla_attention_fp8_split_variant(q, cache, bt, req, pos, sc, check=False, variant=v, out=out)
 
         def partial(cfg=cfg):
-            return sa._split_partials(q, cache, bt, req, pos, sc, DV, DQK - DV, cfg)
+            return av._variant_partials(q, cache, bt, req, pos, sc, DV, DQK - DV, cfg)
 
         same = None
         try:
@@ -280,7 +282,7 @@ def sweep_variants_decode(B, ctx, k, reps, rows, variants):
             parts = partial()
 
             def merge(parts=parts, cfg=cfg, out=out, lse=lse):
-                return sa._split_merge(parts, None, out, lse, cfg)
+                return av._variant_merge(parts, None, out, lse, cfg)
         except Exception as ex:
             e[v] = f"{type(ex).__name__}: {ex}"[:300]
             merge = None
@@ -310,7 +312,7 @@ def sweep_variants_prefill(ctx, T, k, reps, rows, variants):
         e: dict = {}
 
         def fn(v=v):
-            return sa.sparse_mla_attention_fp8_split(q, cache, bt, req, pos, sc, check=False, variant=v)
+            return av.sparse_mla_attention_fp8_split_variant(q, cache, bt, req, pos, sc, check=False, variant=v)
 
         times[v] = safe_ms(fn, e, v, rep=reps)
         rows.append(row("prefill_variant", f"T={T} ctx={ctx} topk={k} variant={v}", times[v], times["default"],
@@ -377,13 +379,13 @@ def bench_flashmla_fp8(B, ctx, k, reps, rows, heads=H, pieces=(1, 2, 4, 8, 16)):
     kernel under its own scheduler, same inputs. ours = translate positions + kernel + merge/finish (the whole
     path, check=False as in graphs); kernel_ms = the decode kernel alone on translated indices; S = pieces per
     row (``PIECES_PER_ROW`` is shipped)."""
-    from zerodiff.ops import flashmla_fp8_decode as fd
+    from zerodiff.ops.attention import flashmla_fp8 as fd
 
     fm = backends.flash_mla()
     cache, bt, pos, req, q, sc, slots = decode_case(B, ctx, k, heads)
     err: dict = {}
     stock_ms = safe_ms(stock_decode_fn(fm, q, cache, slots, sc), err, "stock", rep=reps)
-    _op = fd._flashmla()[1]
+    _op = fd.decode_kernel("cuda")[1]
     kc4 = cache.view(cache.shape[0], cache.shape[1], 1, cache.shape[2])
     shape = f"B={B} ctx={ctx} topk={k} H={heads}"
     for S in pieces:
@@ -410,15 +412,15 @@ def bench_flashmla_fp8(B, ctx, k, reps, rows, heads=H, pieces=(1, 2, 4, 8, 16)):
         except Exception as e:
             e2["kernel"] = f"{type(e).__name__}: {e}"[:300]
         extra = {}
-        if S > 1:  # the merge alone, shipped tile vs the prepared smaller one (same bits: elementwise)
+        if S > 1:  # the merge alone, shipped tile vs the smaller one (same bits: elementwise)
             po = torch.randn(B, S, heads, DV, device="cuda").to(torch.bfloat16)
             pl = torch.randn(B, S, heads, device="cuda") + 5
-            for tag, bh in (("merge_ms", fd.MERGE_BH), ("merge_candidate_ms", fd.MERGE_BH_CANDIDATE)):
+            for tag, bh in (("merge_ms", fd.MERGE_BH), ("merge_small_ms", av.MERGE_BH_SMALL)):
                 extra[tag] = _r(safe_ms(lambda bh=bh: fd.merge_pieces(po, pl, None, bh=bh), e2, tag, rep=reps))
         if S == 4:
             def ours_copy():
-                return fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos, sc, check=False, pieces_per_row=4,
-                                                            _q_copy=True)
+                return av.sparse_mla_attention_flashmla_fp8_q_copy(q, cache, bt, req, pos, sc, check=False,
+                                                                   pieces_per_row=4)
             extra["q_copy_ms"] = _r(safe_ms(ours_copy, e2, "q_copy", rep=reps))
         rows.append(row(f"decode_flashmla_fp8[S={S}]", shape, o_ms, stock_ms, FP8_STOCK, kernel_ms=_r(kern),
                         num_sm_parts=parts, shipped=S == fd.PIECES_PER_ROW, **extra, errors={**err, **e2} or None))
@@ -435,7 +437,7 @@ def bench_prefill_flashmla_fp8(ctx, T, k, reps, rows):
         return sa.sparse_mla_attention(q, cache, bt, req, pos, sc, check=False, backend="flashmla",
                                        workspace="per_request", seq_lens=lens)
 
-    from zerodiff.ops import flashmla_fp8_decode as fd
+    from zerodiff.ops.attention import flashmla_fp8 as fd
 
     err: dict = {}
     s_ms = safe_ms(stock, err, "stock", rep=reps, graph=False)
@@ -469,7 +471,7 @@ def aot_report(configs):
 
     for cfg in configs:
         pf = bool(cfg.get("PREFETCH", False))
-        fn = sa._split_partial_pf_kernel if pf else sa._split_partial_kernel
+        fn = av._split_partial_pf_kernel if pf else ts._split_partial_kernel
         for cc in (90, 100):
             const = dict(D_V=DV, D_R=DQK - DV, BLOCK_SIZE=BS, BPT=656, BLOCK_H=cfg["BLOCK_H"],
                          BLOCK_N=cfg["BLOCK_N"], CHUNK=cfg["CHUNK"], EXACT=False)
@@ -489,10 +491,10 @@ def aot_report(configs):
                 print(f"partial sm_{cc} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         mdv = int(cfg.get("MERGE_DV", DV))
         const = dict(D_V=DV, HAS_SINK=True, BLOCK_H=cfg["MERGE_BH"], EXACT=False)
-        mfn = sa._split_merge_kernel
+        mfn = ts._split_merge_kernel
         if mdv < DV:
             const["MERGE_DV"] = mdv
-            mfn = sa._split_merge_v_kernel
+            mfn = av._split_merge_v_kernel
         sig = dict(merge_sig, **{k: "constexpr" for k in const})
         for cc in (90, 100):
             k = triton.compile(ASTSource(fn=mfn, signature=sig, constexprs=const),
@@ -508,7 +510,7 @@ def aot_report_flashmla_fp8():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from zerodiff.ops import flashmla_fp8_decode as fd
+    from zerodiff.ops.attention import flashmla_fp8 as fd
 
     cases = [
         ("translate", fd._translate_kernel,
@@ -526,7 +528,7 @@ def aot_report_flashmla_fp8():
          {"po_ptr": "*bf16", "pl_ptr": "*fp32", "pl_s0": "i64", "pl_s1": "i64", "pl_s2": "i64", "sink_ptr": "*fp32",
           "bad_ptr": "*i32", "NCH": "i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "H": "i32"},
          dict(P=p, DV=DV, BH=bh, HAS_SINK=True, POISON=True), w)
-        for p in (2, 4, 8) for bh, w in ((fd.MERGE_BH, fd.MERGE_WARPS), (fd.MERGE_BH_CANDIDATE, fd.MERGE_WARPS))]
+        for p in (2, 4, 8) for bh, w in ((fd.MERGE_BH, fd.MERGE_WARPS), (av.MERGE_BH_SMALL, fd.MERGE_WARPS))]
     for case in cases:
         name, fn, sig, const = case[:4]
         warps = case[4] if len(case) > 4 else 4
@@ -552,10 +554,10 @@ def main():
         aot_report_flashmla_fp8()
         return
     if args.aot:
-        base = sa.split_config(DV, DQK - DV)
-        cfgs = [sa.split_variant_config(v, DV, DQK - DV) for v in sa.SPLIT_VARIANTS]
+        base = ts.split_config(DV, DQK - DV)
+        cfgs = [av.split_variant_config(v, DV, DQK - DV) for v in av.SPLIT_VARIANTS]
         if args.sweep:
-            pf = sa.split_variant_config("pf", DV, DQK - DV)
+            pf = av.split_variant_config("pf", DV, DQK - DV)
             cfgs += [dict(b0, BLOCK_H=bh, BLOCK_N=bn, CHUNK=c, num_warps=w, num_stages=st)
                      for bh, bn, c, w, st in SWEEP[1:] for b0 in (base, pf)]
         aot_report(cfgs)
@@ -567,7 +569,7 @@ def main():
     rows: list[dict] = []
     k = 2048
     if args.flashmla_fp8 and args.quick:  # the shipped piece count and the unsplit one, rollout sizes
-        from zerodiff.ops import flashmla_fp8_decode as fd
+        from zerodiff.ops.attention import flashmla_fp8 as fd
 
         for B in (1, 8, 64, 96, 128, 192, 256):
             bench_flashmla_fp8(B, 8192, k, 30, rows, pieces=tuple(sorted({1, fd.PIECES_PER_ROW})))
@@ -601,7 +603,7 @@ def main():
             bench_prefill(c, T, k, reps, rows)
     if args.sweep:
         # --quick: the likely winners only (pf_s2 and the spilling pf_bh2x cost compile time, see the doc)
-        variants = QUICK_VARIANTS if args.quick else sa.SPLIT_VARIANTS
+        variants = QUICK_VARIANTS if args.quick else av.SPLIT_VARIANTS
         for B in (1, 64, 128) if args.quick else (1, 16, 64, 128, 256):
             sweep_variants_decode(B, 8192, k, reps, rows, variants)
         sweep_variants_prefill(8192, 1024, k, reps, rows, variants)

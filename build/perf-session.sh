@@ -6,7 +6,8 @@
 #
 # Stages (each with its own timeout; results are written as they come, so a cut-off call keeps what finished):
 #   0. zerodiff warmup --config h200 --config gpu_small        (background: DeepGEMM's M-dependent kernels)
-#   1. GPU tests in two halves (a: logprobs, integrations, sparse_attention, e2e_gpu; b: mhc, experimental_mhc,
+#   1. GPU tests in two halves (a: logprobs, integrations, sparse_attention, attention_triton_split,
+#      experimental_attention, e2e_gpu; b: mhc, experimental_mhc,
 #      topk, experimental_topk, rmsnorm, silu_mul_quant, moe, router_gemm, triton_casts, indexer), one pytest
 #      process per file
 #   2. micro-benchmark sweeps: bench_mhc --quick --sweep at H 2048 (the end-to-end model) and 7168,
@@ -30,7 +31,7 @@ while [ $# -gt 0 ]; do
     --total) TOTAL="$2"; shift ;;
     --skip-tests) SKIP_TESTS=1 ;;
     --variants) VARIANTS="$2"; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -67,7 +68,7 @@ e2e() {
   done
 }
 
-TESTS_A="tests/test_logprobs.py tests/test_integrations.py tests/test_sparse_attention.py tests/test_e2e_gpu.py"
+TESTS_A="tests/test_logprobs.py tests/test_integrations.py tests/test_sparse_attention.py tests/test_attention_triton_split.py tests/test_experimental_attention.py tests/test_e2e_gpu.py"
 TESTS_B="tests/test_mhc.py tests/test_experimental_mhc.py tests/test_topk.py tests/test_experimental_topk.py tests/test_rmsnorm.py tests/test_silu_mul_quant.py tests/test_moe.py tests/test_router_gemm.py tests/test_triton_casts.py tests/test_indexer.py"
 tests() {  # tests SUBDIR FILES: one pytest process per file, results under $T/SUBDIR
   [ "$SKIP_TESTS" = 1 ] && { note "== tests skipped"; return 0; }

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from zerodiff.ops import flashmla_fp8_decode as fd
+from zerodiff.ops.attention import flashmla_fp8 as fd
 from zerodiff.ops import kv_cache as kvc
 
 
@@ -80,10 +80,10 @@ def dequant_v4(cache):
 
 def install_emulation(monkeypatch, parts=7):
     kern = EmulatedDecodeKernel(parts)
-    monkeypatch.setattr(fd, "_flashmla", lambda: (None, kern))
+    # the emulated kernel stands in for FlashMLA's on any device (CPU included)
+    monkeypatch.setattr(fd, "decode_kernel", lambda device: (None, kern))
     monkeypatch.setattr(fd, "num_sm_parts", lambda h, d=576, pieces=1, device=None: parts)
     monkeypatch.setattr(fd, "MAX_PAIRS_PER_LAUNCH", 12)  # several launches even for small tests
-    monkeypatch.setattr(fd, "_ALLOW_CPU", True)
     return kern
 
 

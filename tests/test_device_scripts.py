@@ -155,7 +155,7 @@ def test_attention_session_runs_bench_check_and_one_bench_per_piece_count(tmp_pa
     bench = [c for c in calls if "e2e_cli bench" in c[1]]
     assert len(bench) == 2 and all("--attn-backend flashmla_fp8" in a for _, a in bench)
     tests = [(i, c) for i, c in enumerate(calls) if "-m pytest" in c[1]]
-    assert {a.split()[-1] for _, (_, a) in tests} == {"tests/test_flashmla_fp8_decode.py"}
+    assert {a.split()[-1] for _, (_, a) in tests} == {"tests/test_attention_flashmla_fp8.py"}
     if ngpu == 2:  # tests on GPU 0, every timing on GPU 1
         assert {d for _, (d, _) in tests} == {"0"}
         assert {d for d, _ in micro + check + bench} == {"1"}

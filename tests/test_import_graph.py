@@ -3,7 +3,11 @@ imports it back. Function-level (lazy) imports count too: a lazy import that clo
 backend to its dispatcher. ``from PKG import NAME`` is an edge to ``PKG.NAME`` when that is a module (a submodule
 import), else to ``PKG``. Only imports of modules inside ``kernels/`` are edges.
 
-Second rule: the shipped path (``zerodiff.ops``, ``model``, ``integrations``, ``rollout``, ``training``) never
+Second rule: no backend of the attention package (``zerodiff.ops.attention.*``) imports its dispatcher
+(``zerodiff.ops.attention``, the package ``__init__``), directly or through other modules: the dispatcher imports
+the backends, never the reverse.
+
+Third rule: the shipped path (``zerodiff.ops``, ``model``, ``integrations``, ``rollout``, ``training``) never
 reaches ``zerodiff.experimental``, directly or through other modules.
 """
 
@@ -88,15 +92,71 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circle_in_kernels():
     graph = import_graph()
-    assert "zerodiff.ops.sparse_attention" in graph and len(graph) > 50  # the walk sees the package
+    assert "zerodiff.ops.attention" in graph and len(graph) > 50  # the walk sees the package
     assert find_cycles(graph) == []
 
 
 def test_the_cycle_finder_finds_a_planted_circle():
     graph = import_graph()
-    graph["zerodiff.ops.kv_cache"] = graph["zerodiff.ops.kv_cache"] | {"zerodiff.ops.sparse_attention"}
+    graph["zerodiff.ops.kv_cache"] = graph["zerodiff.ops.kv_cache"] | {"zerodiff.ops.attention"}
     cycles = find_cycles(graph)
-    assert any({"zerodiff.ops.kv_cache", "zerodiff.ops.sparse_attention"} <= set(c) for c in cycles), cycles
+    assert any({"zerodiff.ops.kv_cache", "zerodiff.ops.attention"} <= set(c) for c in cycles), cycles
+
+
+ATTENTION = "zerodiff.ops.attention"
+
+
+def _reaches(graph: dict[str, set[str]], root: str, target: str) -> list[str] | None:
+    """One shortest import chain from ``root`` to ``target`` (breadth first), or None."""
+    parent = {root: None}
+    queue = [root]
+    while queue:
+        nxt = []
+        for v in queue:
+            for w in sorted(graph.get(v, ())):
+                if w in parent:
+                    continue
+                parent[w] = v
+                if w == target:
+                    chain = [w]
+                    while parent[chain[-1]] is not None:
+                        chain.append(parent[chain[-1]])
+                    return chain[::-1]
+                nxt.append(w)
+        queue = nxt
+    return None
+
+
+def backends_reaching_the_dispatcher(graph: dict[str, set[str]]) -> list[list[str]]:
+    """For every module of the attention package other than its ``__init__`` that reaches the dispatcher, one
+    import chain from it to the dispatcher."""
+    chains = []
+    for m in sorted(graph):
+        if m.startswith(ATTENTION + "."):
+            chain = _reaches(graph, m, ATTENTION)
+            if chain is not None:
+                chains.append(chain)
+    return chains
+
+
+def test_no_attention_backend_imports_the_dispatcher():
+    graph = import_graph()
+    backends = [m for m in graph if m.startswith(ATTENTION + ".")]
+    assert {"zerodiff.ops.attention.flashmla_fp8", "zerodiff.ops.attention.slots"} <= set(backends), backends
+    assert {m for m in graph[ATTENTION] if m.startswith(ATTENTION + ".")}, "the dispatcher imports its backends"
+    assert backends_reaching_the_dispatcher(graph) == []
+
+
+def test_the_dispatcher_check_finds_planted_imports():
+    graph = import_graph()
+    # a backend importing the dispatcher directly (``from . import sparse_mla_attention``)
+    graph["zerodiff.ops.attention.slots"] = graph["zerodiff.ops.attention.slots"] | {ATTENTION}
+    # and one through a module outside the package
+    graph["zerodiff.ops.attention.checks"] = graph["zerodiff.ops.attention.checks"] | {"zerodiff.model.ops"}
+    chains = backends_reaching_the_dispatcher(graph)
+    assert ["zerodiff.ops.attention.slots", ATTENTION] in chains, chains
+    assert any(c[0] == "zerodiff.ops.attention.checks" and "zerodiff.model.ops" in c and c[-1] == ATTENTION
+               for c in chains), chains
 
 
 # the shipped path: what rollout and training run, and what the vLLM / Megatron patches import

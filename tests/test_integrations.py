@@ -1193,7 +1193,7 @@ def test_dsv4_decode_attention_adapter(seeded):
     workspace, [T, 1, W] indices and the lengths; a padding token gets length 0; the victim token's output
     is the same alone, in batches of 2..17 at several positions (ref sparse attention stands in for
     FlashMLA); every token's output equals attention over its prefill rows."""
-    from zerodiff.ops.sparse_attention import sparse_attention
+    from zerodiff.ops.attention import sparse_attention
 
     g = seeded()
     cr = 4
@@ -1813,7 +1813,7 @@ def test_dsv32_sparse_fp8_adapter_reference_heads_and_batch_invariance(seeded, m
     """FlashMLASparseImpl's FP8-cache path in consistency mode: vLLM's converter gives global 64-token-page slots,
     q is padded to 64 / 128 heads and the output sliced back, every token through the fixed-schedule kernel:
     ~= float64 reference, a token alone == inside the batch (CPU emulation of the kernel's contract)."""
-    from zerodiff.ops import flashmla_fp8_decode as fd
+    from zerodiff.ops.attention import flashmla_fp8 as fd
     from zerodiff.ops import kv_cache as kvc
     from zerodiff.reference.sparse_attention import sparse_attention_ref
 

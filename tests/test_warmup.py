@@ -131,7 +131,7 @@ def test_doctor_reports_the_triton_cache_and_kernel_configuration(tmp_path, monk
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     r = doctor.collect()
     assert r["triton_cache"] == {"path": str(tmp_path), "kernels": 2, "from_env": True}  # entries with a binary
-    from zerodiff.ops import flashmla_fp8_decode as fd
+    from zerodiff.ops.attention import flashmla_fp8 as fd
 
     assert r["kernel_configuration"] == {"mhc": mhc.DEFAULT_VARIANT, "mhc_head": mhc.DEFAULT_HEAD_VARIANT,
                                          "topk": topk.VARIANT,

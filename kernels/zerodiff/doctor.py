@@ -103,9 +103,9 @@ def _triton_cache_info() -> dict:
 
 def _kernel_configuration() -> dict:
     """The shipped kernel choices both sides read (see README "Kernel configurations")."""
-    from .ops import flashmla_fp8_decode as fd
+    from .ops import attention as sa
     from .ops import mhc, topk
-    from .ops import sparse_attention as sa
+    from .ops.attention import flashmla_fp8 as fd
 
     return {"mhc": mhc.DEFAULT_VARIANT, "mhc_head": mhc.DEFAULT_HEAD_VARIANT, "topk": topk.VARIANT,
             "attention_read": sa.READ_BACKEND or "flashmla_fp8 where supported, else workspace",
@@ -118,11 +118,11 @@ def _flashmla_fp8_info() -> dict:
     try:
         import torch
 
-        from .ops import flashmla_fp8_decode as fd
+        from .ops.attention import flashmla_fp8 as fd
 
         if not torch.cuda.is_available():
             return {"usable": False, "detail": "no CUDA device (the workspace / reference paths run instead)"}
-        fd._flashmla()
+        fd.decode_kernel("cuda")
         return {"usable": True, "detail": "FlashMLA's sparse_decode_fwd importable"}
     except Exception as e:  # report, never fail the doctor
         return {"usable": False, "detail": f"{type(e).__name__}: {e}"[:200]}

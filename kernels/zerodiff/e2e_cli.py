@@ -82,7 +82,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "of the shipped kernel, on BOTH sides of this process (an experiment: the bits change with "
                         "the variant; a real deployment must switch rollout and training together)")
     p.add_argument("--attn-backend", default=None, metavar="NAME",
-                   help="run the sparse MLA read path with this zerodiff.ops.sparse_attention backend (e.g. "
+                   help="run the sparse MLA read path with this zerodiff.ops.attention backend (e.g. "
                         "flashmla_fp8: FlashMLA's FP8 decode kernel under the fixed schedule) on BOTH sides of "
                         "this process instead of the default (an experiment: the bits change with the backend)")
     p.add_argument("--profile", default=None, metavar="FILE",
@@ -196,8 +196,8 @@ def _kernel_variants(args) -> dict:
     A variant replaces the model's mHC pre binding (``zerodiff.model.ops.mhc_pre``, which rollout and training
     both call) for the rest of the process; the shipped modules are left as they are. The model has no
     hc_head call, so ``mhc_head`` stays the shipped name."""
+    from .ops import attention as sa
     from .ops import mhc, topk
-    from .ops import sparse_attention as sa
 
     name = getattr(args, "mhc_variant", None)
     mhc_name = mhc.DEFAULT_VARIANT
@@ -222,7 +222,7 @@ def _kernel_variants(args) -> dict:
 
 
 def _pieces():
-    from .ops import flashmla_fp8_decode as fd
+    from .ops.attention import flashmla_fp8 as fd
 
     return fd.PIECES_PER_ROW
 

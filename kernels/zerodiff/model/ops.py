@@ -57,7 +57,7 @@ from zerodiff.ops.kv_cache import write_kv_cache, gather_kv, new_kv_cache, works
 from zerodiff.reference.fp8_quant import dequant_weight_block_ref  # real (STE / baseline dequant)
 
 from zerodiff.ops import rmsnorm as _rmsnorm_op, bf16_gemm as _bf16_op, router_gemm as _router_op  # real
-from zerodiff.ops import logprobs as _lp_op, sparse_attention as _sa_op, indexer as _idx_op, moe as _moe_op  # real
+from zerodiff.ops import logprobs as _lp_op, attention as _sa_op, indexer as _idx_op, moe as _moe_op  # real
 
 
 def _cuda(t) -> bool:
@@ -320,7 +320,7 @@ class ConsistentOps:
         return indexer_scores(q, w, kq, ks, lengths)
 
     def k_attention_visible(self, q, kv_nope, k_rope, cache, layer, step, sel, sm_scale):
-        """The attention value: CUDA -> ``zerodiff.ops.sparse_attention.sparse_mla_attention`` (THE read path:
+        """The attention value: CUDA -> ``zerodiff.ops.attention.sparse_mla_attention`` (THE read path:
         gather_kv into a per-row BF16 workspace in fixed 256-row chunks, then sparse_attention with its
         verified default backend); CPU -> the same two steps on the whole step."""
         if _cuda(q):

@@ -1,6 +1,6 @@
 """Paged FP8 KV cache for the MLA latent: one write kernel (quantise + insert) and one read kernel
 (dequantise + gather into a BF16 workspace), shared by the rollout cache, prefill, decode and training.
-The default attention read path (``sparse_attention.sparse_mla_attention``, backend "flashmla_fp8") reads this
+The default attention read path (``zerodiff.ops.attention.sparse_mla_attention``, backend "flashmla_fp8") reads this
 cache in place with FlashMLA's FP8 decode kernel; ``gather_kv`` is the read of the workspace backends.
 
 Layout (DeepSeek-V3.2 "fp8_ds_mla", the 656-byte token FlashMLA's FP8 decode kernel reads, so the stock
@@ -281,25 +281,3 @@ def workspace_indices(positions: torch.Tensor) -> torch.Tensor:
     idx = base + torch.arange(W, device=positions.device, dtype=torch.int32)[None, :]
     return torch.where(positions >= 0, idx, torch.full_like(idx, -1))
 
-
-def check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope, d_rope, what):
-    """Shared argument checks of the FP8 sparse read paths (``what`` names the path in the message): q bf16
-    [Q, H, d_nope + d_rope], positions int32 [Q, W], req_ids int32 [Q], block_table int32 2-D, attn_sink fp32 [H]
-    or None, everything on q's device, and the cache layout of :func:`_check_cache`. Raises ValueError."""
-    _check_dims(d_nope, d_rope)
-    _check_cache(cache, d_nope, d_rope)
-    D = d_nope + d_rope
-    if q.dtype != torch.bfloat16 or q.dim() != 3 or q.shape[2] != D:
-        raise ValueError(f"zerodiff.sparse_attention[{what}]: q must be bf16 [Q, H, {D}], got {q.dtype} {tuple(q.shape)}")
-    Q, H, _ = q.shape
-    if positions.dtype != torch.int32 or positions.dim() != 2 or positions.shape[0] != Q:
-        raise ValueError(f"zerodiff.sparse_attention[{what}]: positions must be int32 [{Q}, W], got {positions.dtype} {tuple(positions.shape)}")
-    if req_ids.dtype != torch.int32 or tuple(req_ids.shape) != (Q,):
-        raise ValueError(f"zerodiff.sparse_attention[{what}]: req_ids must be int32 [{Q}], got {req_ids.dtype} {tuple(req_ids.shape)}")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2:
-        raise ValueError(f"zerodiff.sparse_attention[{what}]: block_table must be int32 [B, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
-    if attn_sink is not None and (attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (H,)):
-        raise ValueError(f"zerodiff.sparse_attention[{what}]: attn_sink must be fp32 [{H}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
-    for name, t in (("q", q), ("cache", cache), ("block_table", block_table), ("req_ids", req_ids), ("positions", positions)):
-        if t.device != q.device:
-            raise ValueError(f"zerodiff.sparse_attention[{what}]: {name} is on {t.device}, q on {q.device}")

@@ -59,7 +59,7 @@ Adapters (upstream tensors/layouts -> zerodiff ops)
   ``DeepseekV4FlashMLAAttention.forward_mqa`` in that route (all tokens of the step, decode and prefill, one call).
 * ``dsv4_fixed_schedule_attention(q, positions, token_to_req, is_valid, *, ...)``: every DeepSeek-V4 attention
   token, prefill or decode, through one row of FlashMLA's FP8 decode kernel under zerodiff's fixed schedule
-  (``zerodiff.ops.flashmla_fp8_decode.flashmla_fp8_attention``): the compressed entries the prefill path gives
+  (``zerodiff.ops.attention.flashmla_fp8.flashmla_fp8_attention``): the compressed entries the prefill path gives
   the token as the main list, the sliding window as the extra list, both read in place (no BF16 workspace). The
   building block of the faster DeepSeek-V4 route; not yet wired into a patch (needs its GPU run first).
 Adapters called inside vLLM's compiled model forward (router, RMSNorm, FP8 linear, SwiGLU) run through torch

@@ -13,14 +13,14 @@ def dsv32_sparse_fp8_attention(impl: Any, q: torch.Tensor, kv_cache: torch.Tenso
     """Consistency-mode body of ``FlashMLASparseImpl.forward_mqa`` (vLLM 0.33.0,
     ``vllm/v1/attention/backends/mla/flashmla_sparse.py``) for the FP8 ``fp8_ds_mla`` cache: all the step's MQA
     tokens (decode and prefill alike) read the cache in place through
-    ``zerodiff.ops.flashmla_fp8_decode.flashmla_fp8_attention`` (FlashMLA's FP8 decode kernel under zerodiff's
+    ``zerodiff.ops.attention.flashmla_fp8.flashmla_fp8_attention`` (FlashMLA's FP8 decode kernel under zerodiff's
     batch-independent schedule). The request-local top-k indices become global 64-token-page slots with vLLM's own
     converter (``convert_fn`` = ``triton_convert_req_index_to_global_index``, integer arithmetic) over the page
     view ``kv_pages_fn`` (= ``_fp8_kv_pages``) gives; q is zero-padded to 64 / 128 heads as vLLM's FP8 kernel
     path does. Returns ``(out [T, H, 512], None)`` (the lse only serves decode context parallelism, which
     consistency mode refuses). Refused: more than 128 heads, DCP. CPU-tested against an emulation of the kernel;
     not yet run inside vLLM on a GPU."""
-    from ...ops import flashmla_fp8_decode as fd
+    from ...ops.attention import flashmla_fp8 as fd
 
     if int(getattr(impl, "dcp_world_size", 1)) > 1:
         raise ConfigError("zerodiff DSV3.2 sparse MLA: decode context parallelism is not supported")

@@ -266,7 +266,7 @@ def dsv4_fixed_schedule_attention(q: torch.Tensor, positions: torch.Tensor, toke
     (rows of the block tables); ``is_valid`` bool [T] (padding tokens: empty row, output 0). Returns
     ``(out bf16 [T, H, 512], lse fp32 [T, H])``. Written for vLLM 0.33.0's DeepSeek-V4 metadata; CPU-tested
     against an emulation of the kernel's contract, **not yet run on a GPU**."""
-    from ...ops import flashmla_fp8_decode as fd
+    from ...ops.attention import flashmla_fp8 as fd
 
     T = q.shape[0]
     cr = int(compress_ratio) if compressed_k_cache is not None else 1

@@ -1,4 +1,5 @@
-"""FlashMLA's FP8 sparse decode kernel under zerodiff's fixed schedule (``zerodiff.ops.flashmla_fp8_decode``).
+"""The shipped read path: FlashMLA's FP8 sparse decode kernel under zerodiff's fixed schedule
+(``zerodiff.ops.attention.flashmla_fp8``).
 
 CPU: the schedule table (every row reduced in the same pieces whatever the row count, every piece once, partial
 slots inside the kernel's buffers; a batch-scaled schedule is caught by the same check), the position
@@ -13,12 +14,20 @@ import pytest
 import torch
 
 from zerodiff._triton import INTERPRET
-from zerodiff.ops import flashmla_fp8_decode as fd
+from zerodiff.experimental import attention_variants as av
+from zerodiff.ops import attention as sa
 from zerodiff.ops import kv_cache as kc
-from zerodiff.ops import sparse_attention as sa
+from zerodiff.ops.attention import flashmla_fp8 as fd
 from zerodiff.reference.sparse_attention import sparse_attention_ref
 
 from flashmla_emulation import dequant_v4, install_emulation, request_cache, v4_cache
+
+#: CTA counts of the schedule tests (H200 132 SMs, halves and quarters, another GPU's 148)
+PARTS = [132, 66, 33, 148]
+#: pieces per row of the emulated-kernel plumbing test
+EMULATED_PIECES = [1, 2, 4]
+GPU_TOPK = 2048
+SC = 1 / math.sqrt(576)
 
 
 def _row_pieces(meta, splits, rows, blocks):
@@ -74,7 +83,7 @@ def _batch_scaled_schedule(rows, parts, blocks):
     return meta, torch.arange(rows + 1, dtype=torch.int32) * S
 
 
-@pytest.mark.parametrize("parts", [132, 66, 33, 148])
+@pytest.mark.parametrize("parts", PARTS)
 def test_schedule_rows_are_whole_whatever_the_row_count(parts):
     blocks = 32
     counts = [1, 2, 3, parts - 1, parts, parts + 1, 2 * parts + 5, fd.rows_per_launch(1)]
@@ -227,18 +236,6 @@ def test_bad_inputs_are_refused():
         fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos.long(), 0.1)
 
 
-@pytest.mark.skipif(not INTERPRET, reason="the Triton merge kernel runs on the CPU only under TRITON_INTERPRET=1")
-def test_merge_tile_does_not_change_bits_in_the_interpreter(seeded):
-    g = seeded()
-    Q, P, H, DV = 3, 2, 20, 32
-    o = (torch.randn(Q, P, H, DV, generator=g) * 2).to(torch.bfloat16).contiguous()
-    lse = (torch.randn(Q, P, H, generator=g) * 3 + 5)
-    sink = torch.linspace(-3, 3, H)
-    a = fd.merge_pieces(o, lse, sink, bh=fd.MERGE_BH)
-    b = fd.merge_pieces(o, lse, sink, bh=fd.MERGE_BH_CANDIDATE)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
-
 def test_sanitize_indices_kernel_and_torch_path_agree():
     """Global indices: -1 and in-cache entries pass, anything else becomes -1 and flags its chunk (interpreter
     kernel vs the torch path of the same function)."""
@@ -287,7 +284,7 @@ def test_global_entry_bad_inputs_are_refused():
                                   extra_topk_length=tl)
 
 
-@pytest.mark.parametrize("S", [1, 2, 4])
+@pytest.mark.parametrize("S", EMULATED_PIECES)
 def test_wrapper_plumbing_against_an_emulated_kernel(seeded, monkeypatch, S):
     """Request-local positions -> translation -> launches of rows_per_launch rows -> pieces -> merge: equal to the
     float64 reference to bf16 rounding, a row's bits independent of the batch under the emulated kernel, NaN rows
@@ -358,11 +355,6 @@ def test_global_entry_lengths_and_extra_cache_against_an_emulated_kernel(seeded,
         assert torch.equal(alone[0][0], o[victim]) and torch.equal(alone[1][0], l[victim])
 
 
-# ----------------------------------------------------------------------------------------------- GPU
-GPU_TOPK = 2048
-SC = 1 / math.sqrt(576)
-
-
 def _need():
     from zerodiff import backends
 
@@ -395,8 +387,8 @@ def _setup(nreq, ctx, H=64, topk=GPU_TOPK, seed=0, bs=64):
 
 
 def _call(q, cache, bt, req, pos, S=None, sink=None, check=True, q_copy=False):
-    return fd.sparse_mla_attention_flashmla_fp8(q, cache, bt, req, pos, SC, attn_sink=sink, check=check,
-                                                pieces_per_row=S, _q_copy=q_copy)
+    read = av.sparse_mla_attention_flashmla_fp8_q_copy if q_copy else fd.sparse_mla_attention_flashmla_fp8
+    return read(q, cache, bt, req, pos, SC, attn_sink=sink, check=check, pieces_per_row=S)
 
 
 PIECES = sorted({1, 2, 4, 8, fd.PIECES_PER_ROW})
@@ -558,8 +550,6 @@ def test_gpu_negative_controls_stock_schedule_other_pieces_reversed_order():
     assert not torch.equal(rev, ours), "reversed index order must change the output"
 
 
-# ---- the global-index entry, and the DeepSeek-V4 cache layout (584 bytes per token, d_qk 512)
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("S", [1, 2])
 def test_gpu_global_indices_give_the_request_local_bits(S):
@@ -626,23 +616,6 @@ def test_gpu_v4_layout_reference_victim_in_batch_and_stock_control(S):
     ours0 = fd.flashmla_fp8_attention(qc[:1], cache, ic[:1], sc, pieces_per_row=S)[0][0]
     assert torch.allclose(full[0].float(), ours0.float(), atol=2e-2, rtol=2e-2), "stock reads the layout otherwise"
     assert int((full[0] != alone_s[0]).sum()) > 0, "the stock scheduler did not change row 0 on the V4 layout"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("S", [2, 4])
-def test_gpu_merge_tile_does_not_change_bits(S):
-    """The merge is elementwise per (row, head, column) in a fixed piece order: another tile (heads per program)
-    must give the same bits; this is what allows switching to MERGE_BH_CANDIDATE without changing any result."""
-    _need()
-    g = torch.Generator().manual_seed(13)
-    Q, H = 200, 64
-    o = (torch.randn(Q, S, H, 512, generator=g) * 2).to(torch.bfloat16).cuda()
-    lse = (torch.randn(Q, S, H, generator=g) * 3 + 5).cuda()
-    lse[5, 1] = math.inf  # an empty piece
-    sink = torch.linspace(-2, 2, H, device="cuda")
-    a = fd.merge_pieces(o, lse, sink, bh=fd.MERGE_BH)
-    b = fd.merge_pieces(o, lse, sink, bh=fd.MERGE_BH_CANDIDATE)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.gpu

@@ -23,8 +23,9 @@ Public API:
 
 * ``sparse_mla_attention_flashmla_fp8(q, cache, block_table, req_ids, positions, sm_scale, *, attn_sink=None,
   d_nope=512, d_rope=64, seq_lens=None, check=True, out=None, pieces_per_row=None) -> (out, lse)``
-  (also reached as ``sparse_mla_attention(..., backend="flashmla_fp8")``): the same arguments and meaning as the
-  other read paths of ``zerodiff.ops.sparse_attention``: ``q`` bf16 [Q, H, d_nope + d_rope] with H 64 or 128,
+  (also reached as ``sparse_mla_attention(..., backend="flashmla_fp8")``, and what ``backend=None`` runs wherever
+  :func:`supports` accepts the call): the same arguments and meaning as the other read paths of
+  ``zerodiff.ops.attention``: ``q`` bf16 [Q, H, d_nope + d_rope] with H 64 or 128,
   ``cache`` the 656-byte paged FP8 cache of ``zerodiff.ops.kv_cache`` (d_nope 512, d_rope 64), ``block_table``
   int32 [B, max_blocks], ``req_ids`` int32 [Q], ``positions`` int32 [Q, K] request-local (-1 = empty), K fixed by
   the model (max top-k), never by the batch. Returns ``out`` bf16 [Q, H, 512] and ``lse`` fp32 [Q, H] (natural
@@ -34,7 +35,7 @@ Public API:
   call on caller-given GLOBAL token indices (block id * block size + offset, -1 = skip), for the V3.2 layout
   (d_qk 576, 656 bytes) and the DeepSeek-V4 layout (d_qk 512, 584 bytes per token: ``LAYOUT_BYTES``); indices
   outside the cache are not read and make their row NaN (``sanitize_indices``). No host synchronisation.
-  DeepSeek-V4's per-row lengths and SWA extra cache: one piece per row (not yet run on a GPU).
+  DeepSeek-V4's per-row lengths and SWA extra cache: one piece per row.
 * ``fixed_schedule(rows, num_sm_parts, blocks_per_row, device, row_blocks=None) -> (metadata, num_splits)``: the
   schedule table (int32 [num_sm_parts, 8]) and cumulative split counts (int32 [rows + 1]); ``row_block_counts``
   gives ``row_blocks`` (the kernel's own per-row block count) when rows have their own lengths.
@@ -45,9 +46,13 @@ Public API:
   and for positions that cannot be resolved), and int32 [Q] flags of rows holding an unresolvable position.
 * ``num_sm_parts(h_q, d_qk, pieces, device) -> int``: the CTA count per piece FlashMLA's decode kernel is built
   for on this device (read from one stock call on a 1-row dummy; cached).
+* ``supports(q, positions, d_nope=512, d_rope=64, pieces_per_row=None) -> str | None``: None when this path takes
+  the call on this machine, else why not (device, library and model shape only: never the batch).
+* ``decode_kernel(device) -> (flash_mla module, sparse_decode_fwd)``: FlashMLA's kernel for tensors on ``device``
+  (``ValueError`` off CUDA, ``RuntimeError`` when FlashMLA or its FP8 sparse decode op is missing).
 * ``merge_pieces_ref(o, lse, attn_sink) -> (out, lse)``: the merge in float64 torch (reference).
 
-Numerical contract (bitwise; verified on the H200 only, see docs/kernels-attention.md): query row r's
+Numerical contract (bitwise; where it was verified: docs/kernels-attention.md): query row r's
 ``out``/``lse`` depend only on q[r], the tokens its positions resolve to and their ORDER, K, sm_scale, the sink,
 the head count and ``pieces_per_row``: never on Q, the other rows, the row's place in the batch, the launch it
 lands in, prefill vs decode, or eager vs CUDA-graph replay. Inside a piece the arithmetic is FlashMLA's (64-token
@@ -69,23 +74,31 @@ import os
 
 import torch
 
-from .._triton import HAVE_TRITON, LAUNCH_OPTS, triton_usable_for
-from . import kv_cache as _kv
+from ..._triton import HAVE_TRITON, LAUNCH_OPTS, triton_usable_for
+from .. import kv_cache as _kv
+from .checks import FLASHMLA_HEADS, FLASHMLA_TOPK_BLOCK, MODEL_D_V, MODEL_DIMS, check_fp8_read_args, check_out
+from .checks import fail as _fail
+from .slots import resolve_slots_torch
 
-#: pieces each row's index list is cut into (see the module docstring); a model-shape constant, the same for
-#: rollout and training (``ZD_FLASHMLA_PIECES`` overrides it for an experiment: set it on both sides or neither).
-#: Chosen from the H200 measurements in docs/kernels-attention.md.
+PATH = "flashmla_fp8"
+#: the global-index entry's name in messages
+_GLOBAL = "zerodiff.flashmla_fp8"
+
+
 def _pieces_from_env(default: int = 2) -> int:
     raw = os.environ.get("ZD_FLASHMLA_PIECES", str(default))
     if not raw.strip().isdigit() or int(raw) < 1:
-        raise ValueError(f"zerodiff.flashmla_fp8: ZD_FLASHMLA_PIECES={raw!r} must be a positive integer "
+        raise ValueError(f"{_GLOBAL}: ZD_FLASHMLA_PIECES={raw!r} must be a positive integer "
                          "(pieces per row; it must be the same for rollout and training)")
     return int(raw)
 
 
+#: pieces each row's index list is cut into (see the module docstring); a model-shape constant, the same for
+#: rollout and training (``ZD_FLASHMLA_PIECES`` overrides it for an experiment: set it on both sides or neither).
+#: Chosen from the measurements in docs/kernels-attention.md.
 PIECES_PER_ROW = _pieces_from_env()
 #: FlashMLA's KV block (entries per main-loop step of the sparse decode kernel).
-TOPK_BLOCK = 64
+TOPK_BLOCK = FLASHMLA_TOPK_BLOCK
 #: int32 fields per CTA in the schedule table: begin row, end row (inclusive), begin block, end block
 #: (exclusive, in the end row), begin split, first-row-is-split flag, last-row-is-split flag, padding.
 META_FIELDS = 8
@@ -93,18 +106,20 @@ META_FIELDS = 8
 #: (unused here, 128 KiB per pair at 64 heads). Rows are independent, so the launch split never changes bits.
 MAX_PAIRS_PER_LAUNCH = 1024
 #: the piece merge's launch: heads per program and warps. Its arithmetic is elementwise per (row, head, column)
-#: with a fixed piece order, so the tile shape does not enter the bits (checked on the GPU by
-#: test_gpu_merge_tile_does_not_change_bits). MERGE_BH_CANDIDATE is the smaller tile prepared for the next GPU
-#: run: at 16 heads the kernel takes 255 registers and spills at P >= 2 with Triton 3.6 (AOT, sm_90a).
+#: with a fixed piece order, so the tile shape does not enter the bits (``merge_pieces(bh=)`` takes another tile;
+#: the tests check the bits do not move).
 MERGE_BH = 16
 MERGE_WARPS = 4
-MERGE_BH_CANDIDATE = 4
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+#: entries per program of the position translation and index sanitising kernels
+TRANSLATE_BLOCK = 512
+#: elements per program of the NaN fill of unresolvable rows
+_FINISH_BLOCK = 4096
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .slots import resolve_slots
 
     @triton.jit
     def _translate_kernel(pos_ptr, pos_s0, req_ptr, bt_ptr, bt_s0, idx_ptr, badp_ptr, K, NCH, max_blocks, num_blocks,
@@ -118,12 +133,8 @@ if HAVE_TRITON:
         offs = c * BLOCK_K + tl.arange(0, BLOCK_K)
         inside = offs < K
         p = tl.load(pos_ptr + r.to(tl.int64) * pos_s0 + offs, mask=inside, other=-1)
-        valid = p >= 0
-        lb = tl.where(valid, p // BLOCK_SIZE, 0)
-        in_table = lb < max_blocks
-        blk = tl.load(bt_ptr + req * bt_s0 + lb, mask=valid & in_table, other=-1)
-        ok = valid & in_table & (blk >= 0) & (blk < num_blocks)
-        idx = tl.where(ok, blk * BLOCK_SIZE + (p - lb * BLOCK_SIZE), -1)
+        slot, ok, valid = resolve_slots(bt_ptr, bt_s0, req, p, num_blocks, max_blocks, BLOCK_SIZE)
+        idx = tl.where(ok, slot, -1)
         tl.store(idx_ptr + r.to(tl.int64) * K + offs, idx, mask=inside)
         nbad = ((valid & (ok == 0)) | (p < -1)).to(tl.int32)
         tl.store(badp_ptr + r * NCH + c, (tl.sum(nbad, axis=0) > 0).to(tl.int32))
@@ -218,7 +229,7 @@ if HAVE_TRITON:
 def rows_per_launch(pieces_per_row: int = 1) -> int:
     """Rows one kernel launch takes (a memory bound only)."""
     if pieces_per_row < 1:
-        raise ValueError(f"zerodiff.flashmla_fp8: pieces_per_row={pieces_per_row} must be >= 1")
+        raise ValueError(f"{_GLOBAL}: pieces_per_row={pieces_per_row} must be >= 1")
     return max(1, MAX_PAIRS_PER_LAUNCH // pieces_per_row)
 
 
@@ -233,11 +244,11 @@ def fixed_schedule(rows: int, num_sm_parts: int, blocks_per_row: int, device=Non
     once."""
     P = int(num_sm_parts)
     if rows < 1:
-        raise ValueError(f"zerodiff.flashmla_fp8: rows={rows} must be >= 1")
+        raise ValueError(f"{_GLOBAL}: rows={rows} must be >= 1")
     if blocks_per_row < 1:
-        raise ValueError(f"zerodiff.flashmla_fp8: blocks_per_row={blocks_per_row} must be >= 1")
+        raise ValueError(f"{_GLOBAL}: blocks_per_row={blocks_per_row} must be >= 1")
     if P < 1:
-        raise ValueError(f"zerodiff.flashmla_fp8: num_sm_parts={P} must be >= 1")
+        raise ValueError(f"{_GLOBAL}: num_sm_parts={P} must be >= 1")
     i = torch.arange(P, device=device, dtype=torch.int64)
     meta = torch.zeros(P, META_FIELDS, device=device, dtype=torch.int64)
     if rows <= P:
@@ -254,7 +265,7 @@ def fixed_schedule(rows: int, num_sm_parts: int, blocks_per_row: int, device=Non
         last = torch.full_like(i, blocks_per_row)
     else:
         if tuple(row_blocks.shape) != (rows,):
-            raise ValueError(f"zerodiff.flashmla_fp8: row_blocks must have shape ({rows},), got {tuple(row_blocks.shape)}")
+            raise ValueError(f"{_GLOBAL}: row_blocks must have shape ({rows},), got {tuple(row_blocks.shape)}")
         last = row_blocks.to(device=device, dtype=torch.int64)[end.clamp(min=0, max=rows - 1)]
     meta[:, 3] = torch.where(used, last, torch.zeros_like(i))
     splits = torch.arange(rows + 1, device=device, dtype=torch.int64)
@@ -301,8 +312,6 @@ def schedule_pieces(metadata: torch.Tensor, num_splits: torch.Tensor, rows: int,
     return pieces
 
 
-TRANSLATE_BLOCK = 512
-
 
 def translate_positions(block_table, req_ids, positions, num_blocks: int, block_size: int):
     """Request-local positions -> global token indices (int32 [Q, K], -1 = skip) and bad-row flags (int32 [Q])."""
@@ -330,18 +339,10 @@ def _translate(block_table, req_ids, positions, num_blocks, block_size):
 
 
 def _translate_torch(block_table, req_ids, positions, num_blocks, block_size):
-    """Reference of ``translate_positions`` (torch integer ops)."""
-    p = positions.long()
-    valid = p >= 0
-    lb = torch.where(valid, p // block_size, torch.zeros_like(p))
-    mb = block_table.shape[1]
-    in_table = lb < mb
-    blk = block_table.long()[req_ids.long()[:, None].expand_as(p), lb.clamp(max=max(mb - 1, 0))]
-    blk = torch.where(valid & in_table, blk, torch.full_like(blk, -1))
-    ok = valid & in_table & (blk >= 0) & (blk < num_blocks)
-    idx = torch.where(ok, blk * block_size + (p - lb * block_size), torch.full_like(p, -1)).to(torch.int32)
-    bad = ((valid & ~ok) | (p < -1)).any(dim=1).to(torch.int32)
-    return idx, bad
+    """Reference of ``translate_positions`` (torch integer ops, ``slots.resolve_slots_torch``)."""
+    slot, ok, valid = resolve_slots_torch(block_table, req_ids, positions, num_blocks, block_size)
+    bad = ((valid & ~ok) | (positions < -1)).any(dim=1).to(torch.int32)
+    return slot.to(torch.int32), bad
 
 
 def merge_pieces_ref(o: torch.Tensor, lse: torch.Tensor, attn_sink=None):
@@ -392,30 +393,35 @@ def supports(q, positions, d_nope: int = 512, d_rope: int = 64, pieces_per_row: 
     P = PIECES_PER_ROW if pieces_per_row is None else int(pieces_per_row)
     if q.device.type != "cuda":
         return f"needs CUDA tensors, got {q.device}"
-    if (d_nope, d_rope) != (512, 64):
+    if (d_nope, d_rope) != MODEL_DIMS:
         return f"FlashMLA reads the 656-byte layout only (d_nope 512, d_rope 64), got {d_nope}, {d_rope}"
-    if q.dim() != 3 or q.shape[1] not in (64, 128):
+    if q.dim() != 3 or q.shape[1] not in FLASHMLA_HEADS:
         return f"FlashMLA's decode kernel takes 64 or 128 heads, got q {tuple(q.shape)}"
     K = positions.shape[-1]
     if P < 1 or K == 0 or K % (TOPK_BLOCK * P):
         return f"the index-list width {K} is not a multiple of {TOPK_BLOCK} x {P} pieces"
     try:
-        _flashmla()
-    except RuntimeError as e:
+        decode_kernel(q.device)
+    except (RuntimeError, ValueError) as e:
         return str(e)
     return None
 
 
-def _flashmla():
-    from .. import backends
+def decode_kernel(device):
+    """FlashMLA's FP8 sparse decode kernel for tensors on ``device``: (the flash_mla module, its
+    ``sparse_decode_fwd`` op). ``ValueError`` off CUDA (the kernel runs on CUDA only), ``RuntimeError`` when
+    FlashMLA is not importable or the build lacks the op."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"{_GLOBAL}: needs CUDA tensors, got {device}")
+    from ... import backends
 
     fm = backends.flash_mla()
     if fm is None:
-        raise RuntimeError("zerodiff.flashmla_fp8: FlashMLA is not importable here "
+        raise RuntimeError(f"{_GLOBAL}: FlashMLA is not importable here "
                            f"({backends.status()['flashmla']['detail']})")
     op = getattr(getattr(fm, "flash_mla_cuda", None), "sparse_decode_fwd", None)
     if op is None:
-        raise RuntimeError("zerodiff.flashmla_fp8: this FlashMLA build has no sparse_decode_fwd op "
+        raise RuntimeError(f"{_GLOBAL}: this FlashMLA build has no sparse_decode_fwd op "
                            "(the FP8 sparse decode kernel); use backend='triton_fp8_split'")
     return fm, op
 
@@ -429,16 +435,16 @@ LAYOUT_BYTES = {576: 656, 512: 584}
 
 @functools.lru_cache(maxsize=None)
 def _num_sm_parts_cached(device_index: int, h_q: int, d_qk: int, pieces: int) -> int:
-    _fm, op = _flashmla()
     dev = torch.device("cuda", device_index)
+    _fm, op = decode_kernel(dev)
     bpt = LAYOUT_BYTES[d_qk]
     cache = torch.zeros(1, TOPK_BLOCK, 1, bpt, dtype=torch.uint8, device=dev)
     q = torch.zeros(1, pieces, h_q, d_qk, dtype=torch.bfloat16, device=dev)
     idx = torch.zeros(1, pieces, TOPK_BLOCK, dtype=torch.int32, device=dev)
-    res = op(q, cache, idx, None, None, None, None, None, None, None, 512, 1.0, None, False)
+    res = op(q, cache, idx, None, None, None, None, None, None, None, MODEL_D_V, 1.0, None, False)
     meta = res[2]
     if meta is None or meta.dim() != 2 or meta.shape[1] != META_FIELDS or meta.dtype != torch.int32:
-        raise RuntimeError("zerodiff.flashmla_fp8: FlashMLA's decode schedule table is not int32 [CTAs, "
+        raise RuntimeError(f"{_GLOBAL}: FlashMLA's decode schedule table is not int32 [CTAs, "
                            f"{META_FIELDS}] in this build (got {None if meta is None else (meta.dtype, tuple(meta.shape))}); "
                            "the fixed schedule cannot be written for it")
     return int(meta.shape[0])
@@ -453,7 +459,7 @@ def num_sm_parts(h_q: int, d_qk: int = 576, pieces: int = 1, device=None) -> int
         try:
             return _PROBED[key]
         except KeyError:
-            raise RuntimeError("zerodiff.flashmla_fp8: call once eagerly before CUDA-graph capture (the kernel's "
+            raise RuntimeError(f"{_GLOBAL}: call once eagerly before CUDA-graph capture (the kernel's "
                                "CTA count is probed with one stock call)") from None
     n = _num_sm_parts_cached(*key)
     _PROBED[key] = n
@@ -461,9 +467,6 @@ def num_sm_parts(h_q: int, d_qk: int = 576, pieces: int = 1, device=None) -> int
 
 
 _PROBED: dict = {}
-#: tests only: let CPU tensors through to an emulated kernel (tests/test_flashmla_fp8_decode.py monkeypatches
-#: ``_flashmla`` and this flag together; with the real FlashMLA, CPU tensors are always refused).
-_ALLOW_CPU = False
 _SCHEDULES: dict = {}
 
 
@@ -481,28 +484,32 @@ def _schedule(rows, parts, blocks, device):
 
 def sparse_mla_attention_flashmla_fp8(q, cache, block_table, req_ids, positions, sm_scale: float, *, attn_sink=None,
                                       d_nope: int = 512, d_rope: int = 64, seq_lens=None, check: bool = True,
-                                      out=None, pieces_per_row: int | None = None, _q_copy: bool = False):
-    """FlashMLA's FP8 sparse decode kernel with a batch-independent schedule; see the module docstring.
-    ``_q_copy`` (private; tests and the benchmark): hand the kernel a materialised copy of q per piece instead of
-    the stride-0 broadcast (the same values, so the same bits)."""
-    _kv.check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope, d_rope, "flashmla_fp8")
-    if q.device.type != "cuda" and not _ALLOW_CPU:
-        raise ValueError(f"zerodiff.sparse_attention[flashmla_fp8]: needs CUDA tensors, got {q.device}")
-    if (d_nope, d_rope) != (512, 64):
-        raise ValueError(f"zerodiff.sparse_attention[flashmla_fp8]: FlashMLA reads the 656-byte layout only "
-                         f"(d_nope 512, d_rope 64), got d_nope={d_nope}, d_rope={d_rope}")
+                                      out=None, pieces_per_row: int | None = None):
+    """FlashMLA's FP8 sparse decode kernel with a batch-independent schedule; see the module docstring."""
+    return read_request_local(q, cache, block_table, req_ids, positions, sm_scale, attn_sink=attn_sink,
+                              d_nope=d_nope, d_rope=d_rope, seq_lens=seq_lens, check=check, out=out,
+                              pieces_per_row=pieces_per_row, q_copy=False)
+
+
+def read_request_local(q, cache, block_table, req_ids, positions, sm_scale, *, attn_sink, d_nope, d_rope, seq_lens,
+                       check, out, pieces_per_row, q_copy):
+    """:func:`sparse_mla_attention_flashmla_fp8` with the choice of how q reaches the kernel: ``q_copy=False``
+    (shipped) a stride-0 broadcast over the pieces, ``True`` a materialised copy per piece (the same values)."""
+    check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope, d_rope, PATH)
+    if q.device.type != "cuda":
+        decode_kernel(q.device)  # refuses off CUDA before the shape checks below
+    if (d_nope, d_rope) != MODEL_DIMS:
+        raise _fail(PATH, f"FlashMLA reads the 656-byte layout only (d_nope 512, d_rope 64), got d_nope={d_nope}, "
+                          f"d_rope={d_rope}")
     Q, H, D = q.shape
     K = positions.shape[1]
-    if H not in (64, 128):
-        raise ValueError(f"zerodiff.sparse_attention[flashmla_fp8]: FlashMLA's decode kernel takes 64 or 128 heads, got {H}")
+    if H not in FLASHMLA_HEADS:
+        raise _fail(PATH, f"FlashMLA's decode kernel takes 64 or 128 heads, got {H}")
     P = PIECES_PER_ROW if pieces_per_row is None else int(pieces_per_row)
     if P < 1 or K == 0 or K % (TOPK_BLOCK * P):
-        raise ValueError(f"zerodiff.sparse_attention[flashmla_fp8]: the index-list width K={K} must be a positive "
-                         f"multiple of {TOPK_BLOCK} x pieces_per_row={P} (a model constant: pad the top-k width "
-                         "with -1)")
-    if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (Q, H, d_nope) or not out.is_contiguous()):
-        raise ValueError(f"zerodiff.sparse_attention[flashmla_fp8]: out must be contiguous bf16 [{Q}, {H}, {d_nope}], "
-                         f"got {out.dtype} {tuple(out.shape)}")
+        raise _fail(PATH, f"the index-list width K={K} must be a positive multiple of {TOPK_BLOCK} x "
+                          f"pieces_per_row={P} (a model constant: pad the top-k width with -1)")
+    check_out(out, (Q, H, d_nope), PATH, contiguous=True)
     if check:
         _kv._check_gather_values(cache, block_table, req_ids, positions, seq_lens)
     if out is None:
@@ -513,7 +520,7 @@ def sparse_mla_attention_flashmla_fp8(q, cache, block_table, req_ids, positions,
     nb, bs, _ = cache.shape
     idx, bad = _translate(block_table, req_ids, positions, nb, bs)
     _run_fixed(q, cache.view(nb, bs, 1, cache.shape[2]), idx, sm_scale, attn_sink, P, out, lse,
-               None if check else bad, _q_copy)
+               None if check else bad, q_copy)
     return out, lse
 
 
@@ -533,61 +540,61 @@ def flashmla_fp8_attention(q, kv_cache, indices, sm_scale: float, *, attn_sink=N
     ``topk_length[r]`` indices of row r are read), ``extra_kv_cache`` (the SWA cache, same layout) with
     ``extra_indices`` int32 [Q, K2] and optionally ``extra_topk_length`` int32 [Q]: FlashMLA reads the row's
     main list, then its extra list, and the table ends each CTA's last row at that row's own block count
-    (``row_block_counts``). Written from the kernel's public contract; **not yet run on a GPU** (the GPU tests
-    ``test_gpu_v4_extra_cache_*`` are the check)."""
+    (``row_block_counts``)."""
     if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 3:
-        raise ValueError(f"zerodiff.flashmla_fp8: q must be bf16 [Q, H, d_qk], got {getattr(q, 'dtype', type(q))} "
+        raise ValueError(f"{_GLOBAL}: q must be bf16 [Q, H, d_qk], got {getattr(q, 'dtype', type(q))} "
                          f"{tuple(getattr(q, 'shape', ()))}")
     Q, H, D = q.shape
     if D not in LAYOUT_BYTES:
-        raise ValueError(f"zerodiff.flashmla_fp8: d_qk={D} is not a FlashMLA FP8 sparse layout this module schedules "
+        raise ValueError(f"{_GLOBAL}: d_qk={D} is not a FlashMLA FP8 sparse layout this module schedules "
                          f"(one of {sorted(LAYOUT_BYTES)})")
-    if H not in (64, 128):
-        raise ValueError(f"zerodiff.flashmla_fp8: FlashMLA's decode kernel takes 64 or 128 heads, got {H}")
+    if H not in FLASHMLA_HEADS:
+        raise ValueError(f"{_GLOBAL}: FlashMLA's decode kernel takes 64 or 128 heads, got {H}")
     bpt = LAYOUT_BYTES[D]
     kv_cache = _as_flashmla_cache(kv_cache, bpt, "kv_cache", D)
     if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != Q:
-        raise ValueError(f"zerodiff.flashmla_fp8: indices must be int32 [{Q}, K], got {indices.dtype} {tuple(indices.shape)}")
+        raise ValueError(f"{_GLOBAL}: indices must be int32 [{Q}, K], got {indices.dtype} {tuple(indices.shape)}")
     if attn_sink is not None and (attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (H,)):
-        raise ValueError(f"zerodiff.flashmla_fp8: attn_sink must be fp32 [{H}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
+        raise ValueError(f"{_GLOBAL}: attn_sink must be fp32 [{H}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
     for name, t in (("kv_cache", kv_cache), ("indices", indices)):
         if t.device != q.device:
-            raise ValueError(f"zerodiff.flashmla_fp8: {name} is on {t.device}, q on {q.device}")
+            raise ValueError(f"{_GLOBAL}: {name} is on {t.device}, q on {q.device}")
     K = indices.shape[1]
     varlen = topk_length is not None or extra_kv_cache is not None or extra_indices is not None \
         or extra_topk_length is not None
     P = PIECES_PER_ROW if pieces_per_row is None else int(pieces_per_row)
     if varlen:
         if D != 512:
-            raise ValueError("zerodiff.flashmla_fp8: topk_length / an extra cache are scheduled for the DeepSeek-V4 "
+            raise ValueError(f"{_GLOBAL}: topk_length / an extra cache are scheduled for the DeepSeek-V4 "
                              f"layout (d_qk 512) only, got d_qk={D}")
         if pieces_per_row is not None and int(pieces_per_row) != 1:
-            raise ValueError("zerodiff.flashmla_fp8: topk_length / an extra cache need pieces_per_row=1 (FlashMLA's "
+            raise ValueError(f"{_GLOBAL}: topk_length / an extra cache need pieces_per_row=1 (FlashMLA's "
                              f"lengths are per row, not per piece), got {pieces_per_row}")
         P = 1
         if (extra_kv_cache is None) != (extra_indices is None):
-            raise ValueError("zerodiff.flashmla_fp8: extra_kv_cache and extra_indices come together")
+            raise ValueError(f"{_GLOBAL}: extra_kv_cache and extra_indices come together")
         if extra_topk_length is not None and extra_kv_cache is None:
-            raise ValueError("zerodiff.flashmla_fp8: extra_topk_length without an extra cache")
+            raise ValueError(f"{_GLOBAL}: extra_topk_length without an extra cache")
         for name, t in (("topk_length", topk_length), ("extra_topk_length", extra_topk_length)):
             if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (Q,)):
-                raise ValueError(f"zerodiff.flashmla_fp8: {name} must be int32 [{Q}], got {t.dtype} {tuple(t.shape)}")
+                raise ValueError(f"{_GLOBAL}: {name} must be int32 [{Q}], got {t.dtype} {tuple(t.shape)}")
         if extra_kv_cache is not None:
             extra_kv_cache = _as_flashmla_cache(extra_kv_cache, bpt, "extra_kv_cache", D)
             if extra_indices.dtype != torch.int32 or extra_indices.dim() != 2 or extra_indices.shape[0] != Q \
                     or extra_indices.shape[1] == 0:
-                raise ValueError(f"zerodiff.flashmla_fp8: extra_indices must be int32 [{Q}, K2 > 0], got "
+                raise ValueError(f"{_GLOBAL}: extra_indices must be int32 [{Q}, K2 > 0], got "
                                  f"{extra_indices.dtype} {tuple(extra_indices.shape)}")
     if P < 1 or K == 0 or K % (TOPK_BLOCK * P):
-        raise ValueError(f"zerodiff.flashmla_fp8: the index-list width K={K} must be a positive multiple of "
+        raise ValueError(f"{_GLOBAL}: the index-list width K={K} must be a positive multiple of "
                          f"{TOPK_BLOCK} x pieces_per_row={P}")
-    if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (Q, H, 512) or not out.is_contiguous()):
-        raise ValueError(f"zerodiff.flashmla_fp8: out must be contiguous bf16 [{Q}, {H}, 512], got {out.dtype} "
+    if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (Q, H, MODEL_D_V)
+                            or not out.is_contiguous()):
+        raise ValueError(f"{_GLOBAL}: out must be contiguous bf16 [{Q}, {H}, {MODEL_D_V}], got {out.dtype} "
                          f"{tuple(out.shape)}")
-    if q.device.type != "cuda" and not _ALLOW_CPU:
-        raise ValueError(f"zerodiff.flashmla_fp8: needs CUDA tensors, got {q.device}")
+    if q.device.type != "cuda":
+        decode_kernel(q.device)  # refuses off CUDA
     if out is None:
-        out = torch.empty(Q, H, 512, dtype=torch.bfloat16, device=q.device)
+        out = torch.empty(Q, H, MODEL_D_V, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(Q, H, dtype=torch.float32, device=q.device)
     if Q == 0:
         return out, lse
@@ -608,13 +615,13 @@ def _as_flashmla_cache(c, bpt: int, name: str, d_qk: int):
     """A paged FP8 cache as FlashMLA takes it: uint8 [num_blocks, block_size, 1, bpt] whose tokens are contiguous
     inside a block (a block stride larger than block_size * bpt, vLLM's padded blocks, is allowed)."""
     if not isinstance(c, torch.Tensor) or c.dtype != torch.uint8 or c.dim() not in (3, 4):
-        raise ValueError(f"zerodiff.flashmla_fp8: {name} must be uint8 [num_blocks, block_size, (1,) {bpt}] for "
+        raise ValueError(f"{_GLOBAL}: {name} must be uint8 [num_blocks, block_size, (1,) {bpt}] for "
                          f"d_qk={d_qk}, got {getattr(c, 'dtype', type(c))} {tuple(getattr(c, 'shape', ()))}")
     if c.dim() == 3:
         c = c.unsqueeze(2)
     nb, bs, one, b = c.shape
     if one != 1 or b != bpt or c.stride(3) != 1 or c.stride(1) != bpt or c.stride(0) < bs * bpt:
-        raise ValueError(f"zerodiff.flashmla_fp8: {name} must be uint8 [num_blocks, block_size, (1,) {bpt}] with the "
+        raise ValueError(f"{_GLOBAL}: {name} must be uint8 [num_blocks, block_size, (1,) {bpt}] with the "
                          f"tokens of a block contiguous (d_qk={d_qk}), got shape {tuple(c.shape)} strides "
                          f"{tuple(c.stride())}")
     return c
@@ -647,10 +654,10 @@ def _run_fixed(q, kcache, idx, sm_scale, attn_sink, P, out, lse, bad, q_copy, ex
     """The kernel launches under the fixed schedule (rows in launches of ``rows_per_launch(P)``), then the merge
     (P > 1) or the lse copy (P = 1); rows flagged in ``bad`` (per-chunk flags, or None) come out NaN. ``extra``
     (P = 1 only): per-row lengths and the extra cache of ``flashmla_fp8_attention``."""
-    _fm, op = _flashmla()
+    _fm, op = decode_kernel(q.device)
     Q, H, D = q.shape
     K = idx.shape[1]
-    d_v = 512
+    d_v = MODEL_D_V
     parts = num_sm_parts(H, D, P, q.device)
     blocks = K // (TOPK_BLOCK * P)
     step = rows_per_launch(P)
@@ -691,7 +698,7 @@ def _run_fixed(q, kcache, idx, sm_scale, attn_sink, P, out, lse, bad, q_copy, ex
             if tuple(kl.shape) == (n, H, P):
                 kl = kl.transpose(1, 2)
             elif tuple(kl.shape) != (n, P, H):
-                raise RuntimeError(f"zerodiff.flashmla_fp8: unexpected lse shape {tuple(kl.shape)} from FlashMLA")
+                raise RuntimeError(f"{_GLOBAL}: unexpected lse shape {tuple(kl.shape)} from FlashMLA")
             merge_pieces(pieces_out[r0:r1], kl, attn_sink, rb, out[r0:r1], lse[r0:r1])
 
 
@@ -703,10 +710,10 @@ def _finish(kernel_lse, out, lse, bad, H, d_nope):
     elif tuple(kernel_lse.shape) == (n, 1, H):
         s0, s1 = kernel_lse.stride(0), kernel_lse.stride(2)
     else:
-        raise RuntimeError(f"zerodiff.flashmla_fp8: unexpected lse shape {tuple(kernel_lse.shape)} from FlashMLA")
+        raise RuntimeError(f"{_GLOBAL}: unexpected lse shape {tuple(kernel_lse.shape)} from FlashMLA")
     N = H * d_nope
     poison = bad is not None
-    grid = (n, triton.cdiv(N, 4096) if poison else 1)
+    grid = (n, triton.cdiv(N, _FINISH_BLOCK) if poison else 1)
     _finish_rows_kernel[grid](out, kernel_lse, s0, s1, lse, bad if poison else lse, bad.shape[1] if poison else 0,
                               H, N, POISON=poison,
-                              BLOCK=4096, BLOCK_H=triton.next_power_of_2(H), num_warps=4, **LAUNCH_OPTS)
+                              BLOCK=_FINISH_BLOCK, BLOCK_H=triton.next_power_of_2(H), num_warps=4, **LAUNCH_OPTS)
