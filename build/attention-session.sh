@@ -17,7 +17,7 @@ ROOT=$(pwd)
 OUT=${OUT:-$ROOT/results/attention-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 TOTAL=540; STEPS=20; PIECES="1 4 8"; CHECK_PIECES=4
-MORE="tests/test_sparse_attention.py tests/test_integrations.py tests/test_kv_cache.py tests/test_fp8_quant.py tests/test_fp8_gemm.py tests/test_bf16_gemm.py"
+MORE="tests/test_sparse_attention.py tests/test_vllm_megatron_parity.py tests/test_vllm_custom_ops.py tests/test_vllm_mhc_adapter.py tests/test_vllm_moe_adapter.py tests/test_vllm_dsv4_attention.py tests/test_megatron_moe.py tests/test_kv_cache.py tests/test_fp8_quant.py tests/test_fp8_gemm.py tests/test_bf16_gemm.py"
 while [ $# -gt 0 ]; do
   case "$1" in
     --total) TOTAL="$2"; shift ;;

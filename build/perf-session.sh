@@ -67,7 +67,7 @@ e2e() {
   done
 }
 
-TESTS_A="tests/test_logprobs.py tests/test_integrations.py tests/test_sparse_attention.py tests/test_e2e_gpu.py"
+TESTS_A="tests/test_logprobs.py tests/test_vllm_megatron_parity.py tests/test_vllm_custom_ops.py tests/test_vllm_mhc_adapter.py tests/test_vllm_moe_adapter.py tests/test_vllm_dsv4_attention.py tests/test_megatron_moe.py tests/test_sparse_attention.py tests/test_e2e_gpu.py"
 TESTS_B="tests/test_mhc.py tests/test_experimental_mhc.py tests/test_topk.py tests/test_experimental_topk.py tests/test_rmsnorm.py tests/test_silu_mul_quant.py tests/test_moe.py tests/test_router_gemm.py tests/test_triton_casts.py tests/test_indexer.py"
 tests() {  # tests SUBDIR FILES: one pytest process per file, results under $T/SUBDIR
   [ "$SKIP_TESTS" = 1 ] && { note "== tests skipped"; return 0; }
