@@ -2,7 +2,7 @@
 negative control, CUDA graph == eager, in-place weight update under captured graphs.
 
 Uses the ``gpu_small`` preset (H200 per-head shapes, 64 heads, few experts, short requests). The full
-``h200`` preset runs through ``build/e2e-device.sh`` / ``zerodiff check --config h200`` (see docs/results.md)."""
+``h200`` preset runs through ``gpu/e2e-device.sh`` / ``zerodiff check --config h200`` (see docs/results.md)."""
 
 from __future__ import annotations
 
