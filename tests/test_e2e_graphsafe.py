@@ -237,11 +237,11 @@ def test_guard_would_catch_a_sync_in_the_decode_step(cuda_branches, monkeypatch)
     """Negative control of the emulation: a host sync planted in the harness's decode step is reported."""
     import zerodiff.model.ops as zo
 
-    orig = zo.ConsistentOps.k_moe_visible
+    orig = zo.ConsistentOps.kernel_moe_visible
     src = "def planted(self, x, *a):\n    if x.abs().sum():\n        pass\n    return orig(self, x, *a)\n"
     env = {"orig": orig}
     _run_as(os.path.join(GUARD_ROOTS[0], "_planted.py"), src, env)
-    monkeypatch.setattr(zo.ConsistentOps, "k_moe_visible", env["planted"])
+    monkeypatch.setattr(zo.ConsistentOps, "kernel_moe_visible", env["planted"])
     cfg = CPU.model
     eng = RolloutEngine(CPU, Deployment(init_masters(cfg, 3)), make_ops("consistent", "rollout", cfg), sample_seed=4,
                         use_graphs="emulate")

@@ -183,7 +183,7 @@ def test_gradient_check_bound_and_negative_control():
 def test_diff_stops_loop_and_names_first_diverging_layer():
     run = RLRun(SMALL, seed=3)
     tops = run.trainer.ops
-    orig = tops.k_mhc_post
+    orig = tops.kernel_mhc_post
     calls = {"n": 0}
 
     def faulty(y, X, post, comb):  # perturb the training side's layer0 ffn mhc_post output slightly
@@ -194,7 +194,7 @@ def test_diff_stops_loop_and_names_first_diverging_layer():
             out[:, 0, 0] = (out[:, 0, 0].float() * 1.01 + 1e-3).to(out.dtype)
         return out
 
-    tops.k_mhc_post = faulty
+    tops.kernel_mhc_post = faulty
     before = {k: v.detach().clone() for k, v in run.masters.items()}
     with pytest.raises(DiffError) as ei:
         run.run_step()

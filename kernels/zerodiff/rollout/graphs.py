@@ -26,9 +26,9 @@ import torch
 from ..model.forward import StepInputs, forward_step
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: the harness's own code that runs inside the captured decode step (interim.py is the CPU-only stand-in)
+#: the harness's own code that runs inside the captured decode step (exact_ops.py is the CPU-only stand-in)
 GUARD_ROOTS = tuple(os.path.join(_PKG, d) + os.sep for d in ("model", "rollout", "training", "rl"))
-GUARD_EXEMPT = (os.path.join(_PKG, "model", "interim.py"),)
+GUARD_EXEMPT = (os.path.join(_PKG, "model", "exact_ops.py"),)
 
 
 class HostSyncError(RuntimeError):
