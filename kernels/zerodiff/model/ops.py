@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from ..errors import WeightVersionError
 from . import exact_ops as _exact
 from .detmath import det_exp, tree_sum
 from . import baseline_cuda as _stock_cuda
@@ -164,8 +165,6 @@ def _fixed_rows(fn, *xs, chunk=_CPU_CHUNK):
     return torch.cat(outs)[:T]
 
 
-class WeightVersionError(RuntimeError):
-    pass
 
 
 class _Guard(torch.autograd.Function):
