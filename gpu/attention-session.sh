@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The sparse-MLA decision call (issue 5): FlashMLA's FP8 decode kernel under zerodiff's fixed schedule
+# The sparse-MLA decision call: FlashMLA's FP8 decode kernel under zerodiff's fixed schedule
 # (backend "flashmla_fp8") - its GPU tests, its micro-benchmark against the same kernel under its own scheduler,
 # and a short end-to-end check and throughput run with it as the read path on both sides. One command:
 #

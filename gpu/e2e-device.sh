@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command of the end-to-end H200 run (issue 6). Run from the repository root on the GPU machine:
+# The one command of the end-to-end H200 run. Run from the repository root on the GPU machine:
 #
 #   gpu/e2e-device.sh [--total SECONDS] [--config h200] [--steps 100] [--skip-tests] [--tests "FILES"]
 #                       [--also "SHELL COMMAND"]
@@ -148,7 +148,7 @@ else
   # one GPU: the check starts at once next to the warm-up; the GPU tests share the GPU with it (kernel bits do
   # not depend on a neighbour process; their timings are not reported); the negative control and the throughput
   # bench run after the check (the check's training graph holds most of the GPU memory: a baseline run next to
-  # it ran out of memory on the H200, 2026-11-30), the bench alone on the GPU.
+  # it ran out of memory on the H200), the bench alone on the GPU.
   T_BASE=50; T_BENCH=100
   CHECK_END=$(( TOTAL - T_BENCH - T_BASE - 15 ))
   note "== warmup (background, timeout ${T_WARM}s, t=$(elapsed)s): zerodiff warmup ${WARM_CFG[*]}"

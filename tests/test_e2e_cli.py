@@ -1,4 +1,4 @@
-"""``zerodiff check`` / ``zerodiff bench`` on the CPU config (issue 6): exit codes and JSON."""
+"""``zerodiff check`` / ``zerodiff bench`` on the CPU config: exit codes and JSON."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 * ``host_sync_guard`` itself: every pattern it must catch raises when issued from the harness's files, and
   the same code issued from elsewhere does not (negative control).
-* The captured decode step of the CUDA branches (``zerodiff.model.ops._cuda`` forced on, the team's ops on
+* The captured decode step of the CUDA branches (``zerodiff.model.ops._cuda`` forced on, zerodiff's ops on
   their CPU references) runs under the guard in "emulate" mode: no host<->device copy, host sync or
   value-dependent shape issued by the harness inside the captured region; emulated graph == eager.
 * The frozen CUDA baseline (DeepGEMM / FlashMLA calls) runs on CPU against FAKE DeepGEMM / FlashMLA modules
@@ -171,7 +171,7 @@ def _fake_flashmla(cfg):
 
 @pytest.fixture
 def cuda_branches(monkeypatch):
-    """Force the harness's CUDA branches on CPU tensors (team ops on their references; fake DeepGEMM/FlashMLA)."""
+    """Force the harness's CUDA branches on CPU tensors (zerodiff ops on their references; fake DeepGEMM/FlashMLA)."""
     import zerodiff._triton as zt
     import zerodiff.backends as zb
     import zerodiff.model.baseline_cuda as bc

@@ -1,4 +1,4 @@
-"""End-to-end harness (issue 6) on the CPU config: diff = 0 through RL steps, negative control, engine-level
+"""End-to-end harness on the CPU config: diff = 0 through RL steps, negative control, engine-level
 victim-in-batch, weight-version check, checkpoint restore, gradient check, first-diverging-layer finder.
 
 All CPU, reference backends, one intra-op thread (restored after each test)."""
@@ -269,7 +269,7 @@ def test_forward_victim_decode_at_dispatch_boundaries():
 
 
 def test_cuda_dispatch_branch_runs_on_cpu_through_team_references(monkeypatch):
-    """Exercise the CUDA bindings (team ops: rmsnorm, bf16/router GEMM, logprobs, sparse attention, indexer
+    """Exercise the CUDA bindings (zerodiff ops: rmsnorm, bf16/router GEMM, logprobs, sparse attention, indexer
     + its cache, moe.route) on CPU tensors, where those ops run their references: catches signature/shape
     mistakes of the GPU path without a GPU. Also runs the CUDA-graph decode step emulation on that path."""
     import zerodiff.model.cache as zc

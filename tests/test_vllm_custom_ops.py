@@ -53,7 +53,7 @@ def test_gpu_custom_ops_under_torch_compile_and_victim_rows():
             for out in (f(x, r), cf(x, r)):
                 assert torch.equal(out[0][pos:pos + 1], alone[0]), (n, pos)
                 assert torch.equal(out[1][pos:pos + 1], alone[1]), (n, pos)
-    # negative control: stock FP32 router GEMM changes a row with M (DESIGN: once M >= 16)
+    # negative control: stock FP32 router GEMM changes a row with M (it does once M >= 16)
     xs = torch.randn(1024, H, device="cuda", generator=g).bfloat16()
     stock_all = torch.mm(xs, wg.T, out_dtype=torch.float32)
     stock_one = torch.mm(xs[:1], wg.T, out_dtype=torch.float32)

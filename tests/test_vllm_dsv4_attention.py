@@ -263,7 +263,7 @@ def test_gpu_dsv4_decode_equals_prefill_path_flashmla(cr):
     to the same token through vLLM's prefill layout (other workspace numbering, other padded widths: the
     batch-dependent C128A width is covered), alone and among 1..64 other requests at 3 positions, 3 rounds.
     Negative control: the same entries in reversed order differ (index order is part of the contract). The whole
-    list is reversed: on the H200 (2026-11-30) reversing only the C128A compressed part (<= 47 entries, inside one
+    list is reversed: on the H200 reversing only the C128A compressed part (<= 47 entries, inside one
     of flash_mla_sparse_fwd's 64-entry blocks) gave the same bits, so that control could not fail."""
     from zerodiff import backends
 
@@ -419,8 +419,8 @@ def test_dsv4_fixed_schedule_adapter_reference_phase_and_batch_invariance(seeded
 @pytest.mark.gpu
 @pytest.mark.parametrize("compress_ratio", COMPRESS_RATIOS)
 def test_gpu_dsv4_fixed_schedule_adapter_reference_and_invariance(seeded, compress_ratio):
-    """The same checks with FlashMLA's real FP8 decode kernel (written 2026-11-30 after the last GPU call; first
-    run pending): float64 reference, padding token 0, each token alone == inside the batch."""
+    """The same checks with FlashMLA's real FP8 decode kernel: float64 reference, padding token 0, each token
+    alone == inside the batch."""
     from zerodiff import backends
 
     if backends.flash_mla() is None:
@@ -495,7 +495,7 @@ def _dsv4_step(g, cr, reqs, pad=2, bs=8, window=128, top_k=64):
 def test_dsv4_forward_fixed_schedule_decode_equals_prefill_and_padding(seeded, monkeypatch, cr):
     """The forward_mqa body of the fixed_schedule route: a token decoded in a decode batch and the same token
     computed inside a prefill chunk (other requests, other order) give the same bits; padding tokens give 0;
-    in-image windows are refused. (CPU emulation of the kernel's contract; the GPU run is pending.)"""
+    in-image windows are refused. (CPU emulation of the kernel's contract.)"""
     install_emulation(monkeypatch)
     g = seeded()
     # step A: request 0 decodes position 200 among other decodes; request 2 prefills a chunk ending at 200

@@ -243,7 +243,7 @@ def _topk():
         from .topk import deterministic_topk
 
         return deterministic_topk
-    except Exception:  # pragma: no cover - teammate's module missing: the reference keeps the contract
+    except Exception:  # pragma: no cover - zerodiff.ops.topk not importable: the reference keeps the contract
         from ..reference.topk import deterministic_topk_ref
 
         return lambda s, k, lengths=None, return_scores=False, backend=None: deterministic_topk_ref(

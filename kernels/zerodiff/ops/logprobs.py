@@ -5,8 +5,8 @@ Public API::
     token_logprobs(logits, token_ids, *, temperature=1.0, backend=None, check_ids=True) -> fp32 [T]
 
 ``logits`` BF16 or FP32 ``[T, V]`` (last dim contiguous, any row stride), ``token_ids`` int64 ``[T]``,
-``temperature`` a positive Python float, or an FP32 tensor ``[T]`` of per-row temperatures (addition to
-the team API, for batches that mix sampling temperatures). ``check_ids`` (addition): validate the ids
+``temperature`` a positive Python float, or an FP32 tensor ``[T]`` of per-row temperatures (for batches
+that mix sampling temperatures). ``check_ids``: validate the ids
 on the host (one device sync); skipped automatically while a CUDA graph is being captured.
 
 Numerical contract (full statement and references in :mod:`zerodiff.reference.logprobs`):
@@ -62,7 +62,7 @@ if zt.HAVE_TRITON:
         Each level is a row sum of ``a`` viewed ``[n/2, 2]``: one FP32 addition per pair, so the same bits as
         ``lo + hi`` of a ``tl.split`` (IEEE addition is commutative). Written this way because Triton 3.6 took
         ~26 s on the H200's host (371 s on a 2-core CPU) to compile the 13 ``tl.split`` levels of an
-        8192-lane tree, and under 1 s for this form (2026-11-30)."""
+        8192-lane tree, and under 1 s for this form (docs/verification.md)."""
         for _ in tl.static_range(LOG2P):
             a = tl.sum(tl.reshape(a, [a.shape[0] // 2, 2]), axis=1)
         return tl.sum(a, axis=0)  # one element left: exact

@@ -53,7 +53,7 @@ padding. Slots with ``ids == -1`` (Top-K padding) contribute nothing (their row 
 weight is replaced by 0). Expert ids must be unique within a token (a property of the Top-K; checked when
 ``validate=True``).
 
-Layouts (seed 4.4):
+Layouts:
 
 * ``"contiguous"`` (training): rows packed by expert in ascending expert order, inside an expert in
   (token, slot) order; each expert's segment padded to a multiple of :data:`ALIGN` with zero rows. The

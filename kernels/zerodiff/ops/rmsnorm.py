@@ -19,7 +19,7 @@ Numerical contract (bit-exact reference: :func:`zerodiff.reference.rmsnorm.rms_n
   bit. The CPU reference :func:`zerodiff.reference.rmsnorm.rms_norm_ref` uses a pairwise tree for ``ss``:
   the kernel's tree differs, so kernel and reference agree to 1 bf16 ulp (tested), not bit for bit.
   (An earlier version reproduced the pairwise tree level by level in Triton: bit-exact against the CPU
-  but 60-340x slower than ``F.rms_norm`` on the H200, 2026-11-30.)
+  but 60-340x slower than ``F.rms_norm`` on the H200.)
 
 Bad inputs raise with the argument named: non-BF16 ``x``/``residual``, weight dtype/shape, residual
 shape, non-contiguous last dim, ``H`` above 65536, non-finite or negative ``eps``, unknown backend.

@@ -47,7 +47,7 @@ def host_sync_guard(roots=GUARD_ROOTS, exempt=GUARD_EXEMPT):
     :class:`HostSyncError` naming the call and ``file:line``: ``Tensor.item/tolist/cpu/numpy``,
     ``bool()/int()/float()`` of a tensor, ``nonzero``/``unique``/``masked_select``, boolean-mask indexing,
     ``torch.tensor``/``torch.as_tensor`` (Python data -> device), ``Tensor.to`` onto another device,
-    ``repeat_interleave`` without ``output_size``, ``torch.cuda.synchronize``. Calls made by the team's ops
+    ``repeat_interleave`` without ``output_size``, ``torch.cuda.synchronize``. Calls made by zerodiff's ops
     (``zerodiff.ops``) are not inspected here (their own tests and the GPU capture check them).
 
     Used by the CPU emulation of the captured decode step (``DecodeGraphs(guard=True)``)."""
