@@ -47,7 +47,8 @@ def stock_moe(x, logits, ex, k):
 
 def grouped_gemm_rows(ex, H, T, k, rep, dg):
     """GEMM-level rows: our grouped Triton GEMM (w13) vs DeepGEMM's grouped kernels on a balanced layout with
-    the same FP8 operands (the DESIGN.md MoE baseline). Skipped with a message when DeepGEMM fails."""
+    the same FP8 operands (the MoE row of the baseline table in docs/results.md). Skipped with a message when DeepGEMM
+    fails."""
     rows = []
     E = ex.num_experts
     N = ex.w13.q.shape[1]

@@ -9,7 +9,7 @@
 #   doctor       zerodiff doctor --json (torch, Triton, CUDA, compute capability, backends, pins)
 #   imports      vLLM, megatron-core and DeepEP import with ZERODIFF_CONSISTENT=1 on the GPU machine (DeepEP needs the
 #                driver's libcuda, which the build had not)
-#   gpu-suite    build/gpu-suite.sh --quick (every gpu test file in its own pytest process, then the benchmarks)
+#   gpu-suite    gpu/gpu-suite.sh --quick (every gpu test file in its own pytest process, then the benchmarks)
 #   warmup       zerodiff warmup (DeepGEMM's kernels compiled ahead; its failure alone does not fail the check,
 #                as in `make e2e-check`: the check compiles what is missing)
 #   check        zerodiff check --json OUTDIR/check.json (diff = 0 through RL steps, default config for the GPU)
@@ -42,7 +42,7 @@ manifest=${ZERODIFF_IMAGE_MANIFEST:-/opt/zerodiff/manifest.json}
 step manifest cp "$manifest" "$OUTDIR/manifest.json"
 step doctor zerodiff doctor --json
 step imports env ZERODIFF_CONSISTENT=1 python -c "import vllm, megatron.core, deep_ep; print('vllm', vllm.__version__)"
-step gpu-suite env OUT="$OUTDIR/gpu-suite" build/gpu-suite.sh --quick
+step gpu-suite env OUT="$OUTDIR/gpu-suite" gpu/gpu-suite.sh --quick
 step warmup --advisory zerodiff warmup
 step check zerodiff check --json "$OUTDIR/check.json"
 step vllm-check zerodiff vllm-check --json "$OUTDIR/vllm-check.json"

@@ -13,7 +13,7 @@ build     Check that the pinned base digest is verified (``CUDA_IMAGE_VERIFIED``
           instead (no engine needed). ``make image ARCH=sm_90a|sm_100a PLATFORM=amd64|arm64``.
 check     Run build/image-check.sh inside a built image with every GPU (docker ``--gpus all``, podman
           ``--device nvidia.com/gpu=all``): ``zerodiff doctor``, the imports (vLLM, megatron-core, DeepEP),
-          ``build/gpu-suite.sh --quick``, ``zerodiff check``, ``zerodiff vllm-check``; results in ``--out`` (default results/image-check-<date>).
+          ``gpu/gpu-suite.sh --quick``, ``zerodiff check``, ``zerodiff vllm-check``; results in ``--out`` (default results/image-check-<date>).
           ``make image-check``.
 manifest  ``--write FILE`` (inside the image, at build time): the installed versions, refused unless they are the
           pinned ones, the pins, the sha256 of every patch and series file, the overlay records of the patched

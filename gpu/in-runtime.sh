@@ -2,8 +2,8 @@
 # Run one command inside the unpacked patched-vLLM runtime, e.g. the kernel GPU suite or the end-to-end run
 # with the runtime's DeepGEMM and FlashMLA (vLLM's wheel) instead of a carried .carry/wheel-kernels.tar.gz:
 #
-#   gpu/in-runtime.sh build/gpu-suite.sh --tests-only
-#   gpu/in-runtime.sh build/e2e-device.sh --total 400
+#   gpu/in-runtime.sh gpu/gpu-suite.sh --tests-only
+#   gpu/in-runtime.sh gpu/e2e-device.sh --total 400
 #
 # The runtime must already be unpacked in $ZD_RUNTIME (default /root/zd-rt) by gpu/vllm-acceptance.sh
 # (--stage-only is enough once every part has arrived). The environment is gpu/runtime-env.sh's: the runtime,

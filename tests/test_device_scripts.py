@@ -1,7 +1,7 @@
 """The GPU-machine scripts' orchestration, on the CPU with stand-ins for nvidia-smi and the GPU programs.
 
 A broken stage order, a missing output file or a timeout sum that overruns costs a lent machine's device time;
-these tests run ``build/e2e-device.sh`` and ``build/perf-session.sh`` end to end with a fake ``nvidia-smi`` (one
+these tests run ``gpu/e2e-device.sh`` and ``gpu/perf-session.sh`` end to end with a fake ``nvidia-smi`` (one
 or two GPUs) and a fake interpreter that records every call it gets (with its CUDA_VISIBLE_DEVICES) and writes
 the JSON each stage is asked for, then check what ran, where, in which order, and what came back.
 """
@@ -69,7 +69,7 @@ def _first(calls, needle):
 @pytest.mark.parametrize("ngpu", [1, 2])
 def test_e2e_device_runs_every_stage_on_the_right_gpu(tmp_path, ngpu):
     env = _fakes(tmp_path, ngpu)
-    r = subprocess.run(["bash", str(REPO / "build/e2e-device.sh"), "--total", "300", "--tests", "tests/test_mhc.py",
+    r = subprocess.run(["bash", str(REPO / "gpu/e2e-device.sh"), "--total", "300", "--tests", "tests/test_mhc.py",
                         "--also", 'echo "$CUDA_VISIBLE_DEVICES|ALSO-RAN" >> "$FAKE_LOG"; echo swept > "$LOGS/sweep.txt"'],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -101,7 +101,7 @@ def test_e2e_device_runs_every_stage_on_the_right_gpu(tmp_path, ngpu):
 def test_perf_session_times_every_variant_and_never_shares_a_timed_gpu(tmp_path, ngpu):
     env = _fakes(tmp_path, ngpu)
     _fake_triton_cache(tmp_path / "triton")  # a run that compiled something packs its cache for the next call
-    r = subprocess.run(["bash", str(REPO / "build/perf-session.sh"), "--total", "400",
+    r = subprocess.run(["bash", str(REPO / "gpu/perf-session.sh"), "--total", "400",
                         "--variants", "ieee_s112 bf16x3_s32"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -141,7 +141,7 @@ def test_perf_session_times_every_variant_and_never_shares_a_timed_gpu(tmp_path,
 @pytest.mark.parametrize("ngpu", [1, 2])
 def test_attention_session_runs_bench_check_and_one_bench_per_piece_count(tmp_path, ngpu):
     env = _fakes(tmp_path, ngpu)
-    r = subprocess.run(["bash", str(REPO / "build/attention-session.sh"), "--total", "400", "--pieces", "1 2",
+    r = subprocess.run(["bash", str(REPO / "gpu/attention-session.sh"), "--total", "400", "--pieces", "1 2",
                         "--check-pieces", "2", "--tests", ""],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""``zerodiff check`` / ``zerodiff bench`` on the CPU config (issue 6): exit codes and JSON."""
+"""``zerodiff check`` / ``zerodiff bench`` on the CPU config: exit codes and JSON."""
 
 from __future__ import annotations
 
@@ -32,13 +32,13 @@ def test_check_baseline_is_a_negative_control(tmp_path):
 def test_check_fails_closed_when_a_step_differs(tmp_path, monkeypatch):
     from zerodiff.model import ops as zops
 
-    orig = zops.ConsistentOps.k_logprobs
+    orig = zops.ConsistentOps.kernel_logprobs
 
     def skewed(self, logits, ids):  # the training side (tape active or not) returns a shifted log-prob
         lp = orig(self, logits, ids)
         return lp if not getattr(self, "_skew", False) else lp + 2.0 ** -20
 
-    monkeypatch.setattr(zops.ConsistentOps, "k_logprobs", skewed)
+    monkeypatch.setattr(zops.ConsistentOps, "kernel_logprobs", skewed)
     from zerodiff.training import forward as tfwd
 
     orig_init = tfwd.TrainingForward.__init__

@@ -1,8 +1,8 @@
-"""End-to-end harness on CUDA (issue 6), with the team's Triton kernels: diff = 0 through RL steps,
+"""End-to-end harness on CUDA, with zerodiff's Triton kernels: diff = 0 through RL steps,
 negative control, CUDA graph == eager, in-place weight update under captured graphs.
 
 Uses the ``gpu_small`` preset (H200 per-head shapes, 64 heads, few experts, short requests). The full
-``h200`` preset runs through ``build/e2e-device.sh`` / ``zerodiff check --config h200`` (see docs/results.md)."""
+``h200`` preset runs through ``gpu/e2e-device.sh`` / ``zerodiff check --config h200`` (see docs/results.md)."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def test_gpu_victim_in_batch_engine():
 
 
 def test_gpu_gradient_check_bound():
-    """STE training gradients on the H200 (gpu_small shapes, the team's CUDA kernels) vs the independent float64
+    """STE training gradients on the H200 (gpu_small shapes, zerodiff's CUDA kernels) vs the independent float64
     model; prints the per-group relative errors (docs/results.md takes them from this line)."""
     from zerodiff.rl.loop import RLRun
     from zerodiff.training.gradcheck import gradient_check

@@ -2,7 +2,7 @@
 
 * ``host_sync_guard`` itself: every pattern it must catch raises when issued from the harness's files, and
   the same code issued from elsewhere does not (negative control).
-* The captured decode step of the CUDA branches (``zerodiff.model.ops._cuda`` forced on, the team's ops on
+* The captured decode step of the CUDA branches (``zerodiff.model.ops._cuda`` forced on, zerodiff's ops on
   their CPU references) runs under the guard in "emulate" mode: no host<->device copy, host sync or
   value-dependent shape issued by the harness inside the captured region; emulated graph == eager.
 * The frozen CUDA baseline (DeepGEMM / FlashMLA calls) runs on CPU against FAKE DeepGEMM / FlashMLA modules
@@ -171,7 +171,7 @@ def _fake_flashmla(cfg):
 
 @pytest.fixture
 def cuda_branches(monkeypatch):
-    """Force the harness's CUDA branches on CPU tensors (team ops on their references; fake DeepGEMM/FlashMLA)."""
+    """Force the harness's CUDA branches on CPU tensors (zerodiff ops on their references; fake DeepGEMM/FlashMLA)."""
     import zerodiff._triton as zt
     import zerodiff.backends as zb
     import zerodiff.model.baseline_cuda as bc
@@ -237,11 +237,11 @@ def test_guard_would_catch_a_sync_in_the_decode_step(cuda_branches, monkeypatch)
     """Negative control of the emulation: a host sync planted in the harness's decode step is reported."""
     import zerodiff.model.ops as zo
 
-    orig = zo.ConsistentOps.k_moe_visible
+    orig = zo.ConsistentOps.kernel_moe_visible
     src = "def planted(self, x, *a):\n    if x.abs().sum():\n        pass\n    return orig(self, x, *a)\n"
     env = {"orig": orig}
     _run_as(os.path.join(GUARD_ROOTS[0], "_planted.py"), src, env)
-    monkeypatch.setattr(zo.ConsistentOps, "k_moe_visible", env["planted"])
+    monkeypatch.setattr(zo.ConsistentOps, "kernel_moe_visible", env["planted"])
     cfg = CPU.model
     eng = RolloutEngine(CPU, Deployment(init_masters(cfg, 3)), make_ops("consistent", "rollout", cfg), sample_seed=4,
                         use_graphs="emulate")

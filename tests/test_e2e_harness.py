@@ -1,4 +1,4 @@
-"""End-to-end harness (issue 6) on the CPU config: diff = 0 through RL steps, negative control, engine-level
+"""End-to-end harness on the CPU config: diff = 0 through RL steps, negative control, engine-level
 victim-in-batch, weight-version check, checkpoint restore, gradient check, first-diverging-layer finder.
 
 All CPU, reference backends, one intra-op thread (restored after each test)."""
@@ -183,7 +183,7 @@ def test_gradient_check_bound_and_negative_control():
 def test_diff_stops_loop_and_names_first_diverging_layer():
     run = RLRun(SMALL, seed=3)
     tops = run.trainer.ops
-    orig = tops.k_mhc_post
+    orig = tops.kernel_mhc_post
     calls = {"n": 0}
 
     def faulty(y, X, post, comb):  # perturb the training side's layer0 ffn mhc_post output slightly
@@ -194,7 +194,7 @@ def test_diff_stops_loop_and_names_first_diverging_layer():
             out[:, 0, 0] = (out[:, 0, 0].float() * 1.01 + 1e-3).to(out.dtype)
         return out
 
-    tops.k_mhc_post = faulty
+    tops.kernel_mhc_post = faulty
     before = {k: v.detach().clone() for k, v in run.masters.items()}
     with pytest.raises(DiffError) as ei:
         run.run_step()
@@ -269,7 +269,7 @@ def test_forward_victim_decode_at_dispatch_boundaries():
 
 
 def test_cuda_dispatch_branch_runs_on_cpu_through_team_references(monkeypatch):
-    """Exercise the CUDA bindings (team ops: rmsnorm, bf16/router GEMM, logprobs, sparse attention, indexer
+    """Exercise the CUDA bindings (zerodiff ops: rmsnorm, bf16/router GEMM, logprobs, sparse attention, indexer
     + its cache, moe.route) on CPU tensors, where those ops run their references: catches signature/shape
     mistakes of the GPU path without a GPU. Also runs the CUDA-graph decode step emulation on that path."""
     import zerodiff.model.cache as zc

@@ -125,8 +125,8 @@ def test_locate_reports_exactly_a_monkeypatched_op():
     assert div["max_abs_diff"] > 0 and div["tokens_differ"] > 0
     # a kernel-level patch (the router GEMM of every layer) is found where it first acts
     del tops.rms_norm
-    k_orig = tops.k_router
-    tops.k_router = lambda x, w: k_orig(x, w) * (1 + 2 ** -20)
+    k_orig = tops.kernel_router
+    tops.kernel_router = lambda x, w: k_orig(x, w) * (1 + 2 ** -20)
     div = locate(run)["divergence"]
     assert div["op"] == "layers.0.gate" and div["layer"] == 0, div
 

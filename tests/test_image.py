@@ -220,7 +220,7 @@ def test_dockerignore_keeps_the_sources_and_drops_the_local_state():
     rules = [l.strip() for l in (REPO / ".dockerignore").read_text().splitlines() if l.strip() and l[0] != "#"]
     for r in (".git", ".venv", ".carry", "results", "build/downloads", "build/sources", "build/vllm-runtime"):
         assert r in rules, r
-    for keep in ("kernels", "patches", "build", "tests", "benchmarks", "build/pins", "pyproject.toml"):
+    for keep in ("kernels", "patches", "build", "gpu", "tests", "benchmarks", "build/pins", "pyproject.toml"):
         assert keep not in rules, keep
 
 
@@ -324,11 +324,12 @@ def test_record_verified_rewrites_one_line(tmp_path):
 
 # ----------------------------------------------------------------------------------------- image-check.sh
 def fake_checkout(tmp_path: Path, fail: tuple[str, ...] = ()) -> tuple[Path, dict]:
-    """A checkout copy holding build/image-check.sh, a stand-in gpu-suite.sh and a stand-in `zerodiff`."""
+    """A checkout copy holding build/image-check.sh, a stand-in gpu/gpu-suite.sh and a stand-in `zerodiff`."""
     root = tmp_path / "src"
     (root / "build").mkdir(parents=True)
+    (root / "gpu").mkdir()
     shutil.copy2(BUILD / "image-check.sh", root / "build" / "image-check.sh")
-    suite = root / "build" / "gpu-suite.sh"
+    suite = root / "gpu" / "gpu-suite.sh"
     suite.write_text("#!/bin/sh\necho suite \"$@\" OUT=$OUT\n" + ("exit 3\n" if "gpu-suite" in fail else ""))
     bindir = tmp_path / "bin"
     bindir.mkdir()

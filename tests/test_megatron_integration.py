@@ -1,5 +1,5 @@
 """CPU tests for the Megatron side of zerodiff (``zerodiff.integrations.megatron``) beyond the per-op wrappers
-in test_integrations.py: deployment copies that follow the masters however an optimizer writes them, the RL
+in test_megatron_wrappers.py: deployment copies that follow the masters however an optimizer writes them, the RL
 log-prob route, the guards, and the FP8 defaults (routing, GEMM backend, UE8M0 scales).
 
 Tests marked with the ``megatron`` fixture import megatron-core from ``build/sources/megatron`` (``make

@@ -7,7 +7,7 @@ Two rules every zerodiff Triton kernel follows:
   on the installed Triton's default. Rollout and training import the same kernels, so both compile with
   the same flags.
 * **Casts are round-to-nearest-even, and e4m3 saturates.** On the GPU the native fp32->bf16 and
-  fp32->e4m3 casts are RNE (measured on the H200, DESIGN.md); e4m3 overflow is clamped to +-448
+  fp32->e4m3 casts are RNE (measured on the H200, docs/verification.md); e4m3 overflow is clamped to +-448
   explicitly, because torch's own cast maps |x| >= 464 to NaN in torch 2.11 and saturates in torch 2.13.
   Triton's CPU interpreter truncates instead of rounding, so kernels take an ``EXACT_CASTS`` constexpr:
   when true they round with the integer helpers below, which give the reference bits on every input.
@@ -163,7 +163,7 @@ if HAVE_TRITON:
         Triton's divisibility analysis over-estimates the alignment of products like
         ``(block * BLOCK_SIZE + pos % BLOCK_SIZE) * BPT`` (it keeps the divisibility of the contiguous run
         that ``pos % BLOCK_SIZE`` came from), and then emits 16-byte vector loads at rows that are only
-        ``BPT``-aligned: a misaligned-address fault on the H200 for BPT = 132 (measured 2026-11-30).
+        ``BPT``-aligned: a misaligned-address fault on the H200 for BPT = 132 (docs/verification.md).
         """
         off = row * BPT
         if BPT % 16 == 0:

@@ -273,7 +273,7 @@ def cmd_check(args) -> int:
     reports, failure, restored_at = [], None, None
     per_seed, probes = [], []
     stopped_by_budget = False
-    from .model.ops import BASELINE_CHOICE, INTERIM_OPS, MODES
+    from .model.ops import BASELINE_CHOICE, CPU_EXACT_OPS, MODES
 
     def doc_now(passed=None):
         return {
@@ -286,7 +286,7 @@ def cmd_check(args) -> int:
                               "what": TRAIN_PACKINGS[packing]},
             "ops": {"rollout": MODES[mode][0].__name__, "train": MODES[mode][1].__name__},
             "per_seed": per_seed, "reports": reports, "failure": failure,
-            "interim_ops": list(INTERIM_OPS), "baseline_choice": BASELINE_CHOICE if args.baseline else None,
+            "interim_ops": list(CPU_EXACT_OPS), "baseline_choice": BASELINE_CHOICE if args.baseline else None,
             "baseline_kernels_ran": _baseline_kernels() if args.baseline else None,
             "control_probe": probes if args.baseline else None,
         }
@@ -465,7 +465,7 @@ def cmd_bench(args) -> int:
     rows = []
     t0 = time.perf_counter()
     stopped_by_budget = False
-    from .model.ops import BASELINE_CHOICE, INTERIM_OPS
+    from .model.ops import BASELINE_CHOICE, CPU_EXACT_OPS
 
     def doc_now(tot=None, ratio=None, pooled=None, dev_ratio=None):
         return {
@@ -475,7 +475,7 @@ def cmd_bench(args) -> int:
             "consistent_tok_per_s": tot and tot["consistent"], "baseline_tok_per_s": tot and tot["baseline"],
             "ratio": ratio, "statistic": "median over timed steps (tok/s per mode; ratio = median of per-step ratios)",
             "pooled_tok_per_s": pooled, "forward_device_ratio": dev_ratio, "baseline_choice": BASELINE_CHOICE, "baseline_kernels_ran": _baseline_kernels(),
-            "interim_ops": list(INTERIM_OPS), "torch": torch.__version__, "kernel_variants": variants,
+            "interim_ops": list(CPU_EXACT_OPS), "torch": torch.__version__, "kernel_variants": variants,
             "rollout_value_checks": "off in both modes (kv_cache / indexer host-side input checks sync the host)",
             "elapsed_s": round(time.perf_counter() - t0, 2),
         }

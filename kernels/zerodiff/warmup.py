@@ -4,7 +4,7 @@ DeepGEMM picks its kernel configuration (block sizes, clusters, stages) from M a
 each new configuration with NVCC the first time it is met (about 3 s each). A run whose token counts vary from
 step to step (continuous batching, packed training micro-batches) meets a new configuration every few steps:
 on the H200 the first 8 steps of ``zerodiff check --config h200`` spent 388 of 466 s inside
-``fp8_gemm_nt`` compiling 113 configurations (``--profile``, 2026-11-30). Those compilations are one-off per
+``fp8_gemm_nt`` compiling 113 configurations (``--profile``; docs/results.md). Those compilations are one-off per
 machine (DeepGEMM caches the cubins on disk, ``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``), so this command
 calls every dense FP8 weight shape of the preset for every M in ``1..max_m`` (and, for the baseline, the
 contiguous grouped expert GEMMs at every aligned row count) from a pool of ``--jobs`` worker processes over the
@@ -13,7 +13,7 @@ one M interval) is compiled by about one worker.
 
 Values are not checked (random operands): this only compiles. Bitwise row invariance across DeepGEMM's
 M-dependent configurations is what ``zerodiff.ops.fp8_gemm.deepgemm_verdict`` probes (M from 1 to 8192). Measured on
-the H200 (2026-11-30): 66,368 calls for the h200 shapes in 70 s with 14 workers.
+the H200: 66,368 calls for the h200 shapes in 70 s with 14 workers.
 
     zerodiff warmup --config h200 [--config gpu_small] [--jobs 24] [--max-m 8192] [--no-baseline]
 """

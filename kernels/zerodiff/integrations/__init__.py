@@ -13,7 +13,7 @@ Consistency mode is ON exactly when the environment variable ``ZERODIFF_CONSISTE
 patched and stock call sites running. There is one parser, an exact string comparison, written the same
 way in every patched call site (``os.environ.get("ZERODIFF_CONSISTENT") == "1"``); the config guards run
 whenever the value is set to anything but ``""``/``"0"`` and refuse what is not ``"1"``
-(``tests/test_integrations.py`` checks every patch for exactly these two forms).
+(``tests/test_integration_switch.py`` checks every patch for exactly these two forms).
 
 ``VLLM_BATCH_INVARIANT`` neither implies nor is required by consistency mode. Reasons: (a) it changes the
 stock path, which is the frozen throughput baseline, so coupling the two would move the baseline;

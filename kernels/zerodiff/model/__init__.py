@@ -8,7 +8,7 @@ Public API (see each module's docstring for the contracts)::
                              Deployment(masters) (.tensors, .update_(masters) in place, .data_ptrs(), .get(name, masters))
     zerodiff.model.ops:      make_ops(mode: 'consistent'|'baseline'|'baseline_mixed', side: 'rollout'|'train', cfg)
                              -> ops, MODES (ops class per side), ConsistentOps, BaselineRolloutOps, BaselineTrainOps,
-                             Tape, WeightVersionError, BASELINE_CHOICE, INTERIM_OPS
+                             Tape, WeightVersionError, BASELINE_CHOICE, CPU_EXACT_OPS
     zerodiff.model.baseline_cuda: the frozen CUDA baseline's stock paths: fp8_linear, moe_routed, flashmla_decode,
                              flashmla_prefill, dequant_tokens, cache_slots; CHOICES / choices_text() (what ran),
                              BaselineUnavailable

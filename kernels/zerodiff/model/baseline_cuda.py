@@ -1,4 +1,4 @@
-"""The frozen CUDA baseline: the fast stock paths a tuned vLLM deployment runs (DESIGN.md, baseline table).
+"""The frozen CUDA baseline: the fast stock paths a tuned vLLM deployment runs (the baseline table in docs/results.md).
 
 Used by :class:`zerodiff.model.ops.BaselineRolloutOps` on CUDA tensors only (the CPU baseline keeps its
 torch stand-ins). Same precision as the consistent mode (FP8 weights, FP8 KV cache in the same byte layout)

@@ -1,12 +1,13 @@
 """Paged FP8 caches of the model (MLA latent + DSA index keys) and the block allocator.
 
-* MLA latent: ``zerodiff.ops.kv_cache`` (the team's fp8_ds_mla layout: FP8 nope latent with one FP32 scale
+* MLA latent: ``zerodiff.ops.kv_cache`` (the fp8_ds_mla layout: FP8 nope latent with one FP32 scale
   per 128 channels + BF16 rope), one uint8 tensor per layer. Read ONLY through ``gather_kv`` into a
   workspace of ``topk`` rows per query token (sized by the model limit, never by the batch): the one
   read path of prefill, decode and training.
-* DSA index keys: on CUDA the team's ``zerodiff.ops.indexer`` cache; on the CPU (INTERIM, read by the
-  interim scorer) FP8 e4m3 codes ``[slots, idx_dim]`` with one FP32 scale per token, quantised by the rule
-  of ``reference/fp8_quant.py`` (one group of ``idx_dim``): the same values in a different layout.
+* DSA index keys: on CUDA the ``zerodiff.ops.indexer`` cache; on the CPU (read by the exact-structure
+  scorer of :mod:`zerodiff.model.exact_ops`) FP8 e4m3 codes ``[slots, idx_dim]`` with one FP32 scale per token,
+  quantised by the rule of ``reference/fp8_quant.py`` (one group of ``idx_dim``): the same values in a different
+  layout.
 
 Rollout and training use the same class; training allocates a PRIVATE instance and writes its K through
 the same FP8 round trip.
@@ -19,11 +20,7 @@ import torch
 from zerodiff.ops.kv_cache import gather_kv, new_kv_cache, write_kv_cache
 from zerodiff.reference.fp8_quant import quant_per_token_group_ref
 
-
-def _be(t):
-    """Backend for a zerodiff op call: the reference on CPU tensors (also under TRITON_INTERPRET, where some ops
-    would otherwise pick the slow interpreted kernel), the op's own choice on CUDA."""
-    return "reference" if t.device.type == "cpu" else None
+from .ops import _backend_for
 
 
 class BlockAllocator:
@@ -57,7 +54,7 @@ class PagedCache:
                    for _ in range(cfg.layers)]
         slots = num_blocks * block_size
         self.idx_cache = None
-        if self.device.type == "cuda":  # the team's FP8 index-key cache (codes | fp32 scale per token)
+        if self.device.type == "cuda":  # zerodiff.ops.indexer's FP8 index-key cache (codes | fp32 scale per token)
             from zerodiff.ops.indexer import new_index_cache
 
             self.idx_cache = [new_index_cache(num_blocks, block_size, d=cfg.idx_dim, device=device)
@@ -71,7 +68,8 @@ class PagedCache:
     def write(self, layer: int, step, kv_nope, k_rope, idx_k) -> None:
         slots = step.slot_mapping(self.block_size)
         write_kv_cache(kv_nope.contiguous(), k_rope.contiguous(), self.kv[layer], slots,
-                       d_nope=self.cfg.d_latent, d_rope=self.cfg.d_rope, check=self.check, backend=_be(kv_nope))
+                       d_nope=self.cfg.d_latent, d_rope=self.cfg.d_rope, check=self.check,
+                       backend=_backend_for(kv_nope))
         if self.idx_cache is not None:
             from zerodiff.ops.indexer import write_index_cache
 
@@ -83,7 +81,7 @@ class PagedCache:
 
     def gather(self, layer: int, step, sel):
         return gather_kv(self.kv[layer], step.block_table, step.slot, sel, d_nope=self.cfg.d_latent,
-                         d_rope=self.cfg.d_rope, check=self.check, backend=_be(sel))
+                         d_rope=self.cfg.d_rope, check=self.check, backend=_backend_for(sel))
 
     def gather_index_keys(self, layer: int, step, W: int):
         """Index keys of positions 0..W-1 of each token's request: (codes [T, W, d], scales [T, W, 1])."""

@@ -81,8 +81,8 @@ CPU = Preset("cpu", ModelConfig(), RolloutConfig())
 # 128-wide DSA indexer with 64 heads, top-k 2048 over contexts of 1.5K-3.6K tokens), 32 routed experts (top-6) +
 # a shared expert, 2 layers. Per RL step 6 requests (3 prompts x 2 responses) x ~2.6K prompt tokens (~16K prefill
 # tokens), ~30 decode steps of <= 6 rows in CUDA graphs, a training forward+backward whose STE attention graph is
-# dense per micro-batch, one AdamW step over ~0.75B parameters. Measured on the H200 (2026-11-30, 8 requests per
-# step, warm JIT caches): ~0.7 s rollout + ~3 s training per step; the first run on a machine also compiles
+# dense per micro-batch, one AdamW step over ~0.75B parameters. Measured on the H200 (8 requests per step, warm JIT
+# caches; docs/results.md): ~0.7 s rollout + ~3 s training per step; the first run on a machine also compiles
 # DeepGEMM's M-dependent kernels (`zerodiff warmup` does that ahead, in parallel).
 H200 = Preset(
     "h200",

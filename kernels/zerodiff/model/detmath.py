@@ -1,7 +1,7 @@
 """Position-independent elementwise math and fixed-order reductions in plain torch.
 
-Why this exists: the interim (pure-torch) ops of :mod:`zerodiff.model.ops` must give a token the same bits
-whatever batch it sits in. Two stock torch behaviours break that on the CPU:
+Why this exists: the exact-structure pure-torch ops of :mod:`zerodiff.model.ops` (:mod:`zerodiff.model.exact_ops`)
+must give a token the same bits whatever batch it sits in. Two stock torch behaviours break that on the CPU:
 
 * transcendental functions (``exp``, ``log``, ``sqrt``, ``sigmoid``) take a vectorised path for the bulk of a
   tensor and a scalar path for the tail, and the two may differ in the last ulp, so an element's value can

@@ -133,19 +133,19 @@ class _Views:
 
     def view(self, x, *shape):
         v = x.view(*shape)
-        return self.ops.put(v, lambda: self.ops.g(x).view(*shape))
+        return self.ops.tape_graph(v, lambda: self.ops.graph_of(x).view(*shape))
 
     def sl(self, x, a, b):
         v = x[..., a:b]
-        return self.ops.put(v, lambda: self.ops.g(x)[..., a:b])
+        return self.ops.tape_graph(v, lambda: self.ops.graph_of(x)[..., a:b])
 
     def cat(self, xs):
         v = torch.cat(xs, -1)
-        return self.ops.put(v, lambda: torch.cat([self.ops.g(x) for x in xs], -1))
+        return self.ops.tape_graph(v, lambda: torch.cat([self.ops.graph_of(x) for x in xs], -1))
 
     def rows(self, x, idx):
         v = x[idx]
-        return self.ops.put(v, lambda: self.ops.g(x)[idx])
+        return self.ops.tape_graph(v, lambda: self.ops.graph_of(x)[idx])
 
 
 def forward_step(params, step: StepInputs, cache, ops, *, record=None):
@@ -171,7 +171,8 @@ def forward_step(params, step: StepInputs, cache, ops, *, record=None):
     cos, sin = cos_t[p], sin_t[p]
 
     e = ops.embed(step.tokens, w("embed"))
-    X = ops.put(e.unsqueeze(1).expand(T, n, H).contiguous(), lambda: ops.g(e).unsqueeze(1).expand(T, n, H))
+    X = ops.tape_graph(e.unsqueeze(1).expand(T, n, H).contiguous(),
+                       lambda: ops.graph_of(e).unsqueeze(1).expand(T, n, H))
     if record:
         record("embed", X)
     for l in range(cfg.layers):

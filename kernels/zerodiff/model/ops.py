@@ -3,7 +3,7 @@
 Modes
 -----
 * :class:`ConsistentOps` (``"consistent"``): every call goes to a zerodiff op (on CPU tensors, for some ops, to
-  an exact-structure pure-torch implementation of the same contract in :mod:`zerodiff.model.interim`).
+  an exact-structure pure-torch implementation of the same contract in :mod:`zerodiff.model.exact_ops`).
   Rollout and training use the very same object type, so a token's value is computed by the same
   functions on both sides; every op is per token / per row, so it never depends on the batch. On CPU
   tensors the zerodiff ops run their reference backends; CPU reference calls whose float64 internals could
@@ -20,7 +20,7 @@ Binding table (the binding of each op is the one marked line per op below)::
     silu_mul_quant_fp8, mhc_pre, mhc_post, kv cache write/gather      -> zerodiff.ops.*          (real)
     CUDA: rms_norm, bf16_gemm, router_gemm, token_logprobs, sparse_mla_attention (workspace read path),
           indexer_topk + FP8 index-key cache, moe.route, moe.moe_experts -> zerodiff.ops.*     (real)
-    CPU:  the same ops as exact-structure pure torch                   -> zerodiff.model.interim
+    CPU:  the same ops as exact-structure pure torch                   -> zerodiff.model.exact_ops
 
 Training (autograd)
 -------------------
@@ -43,9 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from . import interim as _I
+from ..errors import WeightVersionError
+from . import exact_ops as _exact
 from .detmath import det_exp, tree_sum
-from . import baseline_cuda as _BC
+from . import baseline_cuda as _stock_cuda
 
 # ---- bindings: consistent mode ------------------------------------------------------------------------
 from zerodiff.ops.topk import deterministic_topk  # real
@@ -65,45 +66,47 @@ def _cuda(t) -> bool:
 
 
 # Dispatch: CUDA tensors -> the zerodiff op (Triton / verified backends); CPU tensors -> the exact-structure
-# implementation in zerodiff.model.interim (the ops' CPU references compute in float64 with
-# shape-dependent BLAS / vectorised exp, whose rare last-bit flips would make CPU CI flaky; the interim
+# implementation in zerodiff.model.exact_ops (the ops' CPU references compute in float64 with
+# shape-dependent BLAS / vectorised exp, whose rare last-bit flips would make CPU CI flaky; the exact-structure
 # implementations have the same contracts up to rounding and are row-invariant by construction).
 def rms_norm(x, w, eps):
-    return _rmsnorm_op.rms_norm(x.contiguous(), w, eps) if _cuda(x) else _I.rms_norm(x, w, eps)
+    return _rmsnorm_op.rms_norm(x.contiguous(), w, eps) if _cuda(x) else _exact.rms_norm(x, w, eps)
 
 
 def bf16_gemm(x, w, *, out_dtype=torch.bfloat16):
-    return _bf16_op.bf16_gemm(x, w, out_dtype=out_dtype) if _cuda(x) else _I.bf16_gemm(x, w, out_dtype=out_dtype)
+    return _bf16_op.bf16_gemm(x, w, out_dtype=out_dtype) if _cuda(x) else _exact.bf16_gemm(x, w, out_dtype=out_dtype)
 
 
 def router_gemm(x, w):
-    return _router_op.router_gemm(x, w) if _cuda(x) else _I.router_gemm(x, w)
+    return _router_op.router_gemm(x, w) if _cuda(x) else _exact.router_gemm(x, w)
 
 
 def token_logprobs(logits, ids):
-    return _lp_op.token_logprobs(logits, ids) if _cuda(logits) else _I.token_logprobs(logits, ids)
+    return _lp_op.token_logprobs(logits, ids) if _cuda(logits) else _exact.token_logprobs(logits, ids)
 
 
 def sparse_attention(q, kv, indices, sm_scale, d_v):
     if _cuda(q):
         return _sa_op.sparse_attention(q, kv, indices, sm_scale, d_v=d_v)[0]
-    return _I.sparse_attention(q, kv, indices, sm_scale, d_v)
+    return _exact.sparse_attention(q, kv, indices, sm_scale, d_v)
 
 
-indexer_scores = _I.indexer_scores  # CPU interim (CUDA: zerodiff.ops.indexer.indexer_topk, see ConsistentOps)
+indexer_scores = _exact.indexer_scores  # CPU: exact_ops (CUDA: zerodiff.ops.indexer.indexer_topk, see ConsistentOps)
 
 
 def route(logits, k, *, bias=None, routed_scale=1.0, topk_fn=None):
     if _cuda(logits):
         return _moe_op.route(logits, k, scoring="sigmoid", bias=bias, renormalize=True, routed_scale=routed_scale)
-    return _I.route(logits, k, bias=bias, routed_scale=routed_scale, topk_fn=topk_fn)
+    return _exact.route(logits, k, bias=bias, routed_scale=routed_scale, topk_fn=topk_fn)
 
 
-INTERIM_OPS = ("CPU only: rms_norm, bf16_gemm, router_gemm, token_logprobs, sparse_attention, indexer scores "
-               "+ FP8 index-key cache, route (exact-structure pure torch, zerodiff.model.interim)",
-               "CPU only: fp8_gemm via a float64 block fast path bit-identical to zerodiff.reference.fp8_gemm",
-               "CPU only: MoE routed experts through per-slot grouped reference GEMMs (CUDA: "
-               "zerodiff.ops.moe.moe_experts, masked layout in decode graphs, contiguous elsewhere)")
+#: What runs in place of a zerodiff op on CPU tensors (recorded in every ``check`` / ``bench`` JSON as "interim_ops").
+CPU_EXACT_OPS = ("CPU only: rms_norm, bf16_gemm, router_gemm, token_logprobs, sparse_attention, indexer scores "
+                 "+ FP8 index-key cache, route (exact-structure pure torch, zerodiff.model.exact_ops)",
+                 "CPU only: fp8_gemm via a float64 block fast path bit-identical to zerodiff.reference.fp8_gemm",
+                 "CPU only: MoE routed experts through per-slot grouped reference GEMMs (CUDA: "
+                 "zerodiff.ops.moe.moe_experts, masked layout in decode graphs, contiguous elsewhere)")
+INTERIM_OPS = CPU_EXACT_OPS  # former name, kept for importers
 
 #: The frozen baseline (negative control and throughput reference), per op. CUDA rows are the fast stock paths
 #: of the baseline table in docs/results.md (zerodiff.model.baseline_cuda); CPU rows are torch stand-ins for CI
@@ -125,7 +128,7 @@ BASELINE_CHOICE = {
                  "dequant of the requests' FP8 cache + FlashMLA flash_mla_sparse_fwd; CPU: FP32 softmax prefill, "
                  "torch split-K decode with a batch-size dependent split (the training forward has no decode "
                  "tokens: its rows take the prefill path)",
-    "DSA indexer": "same scores as the consistent path (CUDA: zerodiff.ops.indexer.index_scores; CPU: interim), "
+    "DSA indexer": "same scores as the consistent path (CUDA: zerodiff.ops.indexer.index_scores; CPU: exact_ops), "
                    "then torch.topk",
     "mHC": "CUDA: zerodiff.baselines.mhc.mhc_pre_split_baseline gemm=auto (DeepGEMM tf32_hc_prenorm_gemm as vLLM) "
            "with the batch-size split heuristic; CPU: same with torch GEMM",
@@ -137,8 +140,9 @@ BASELINE_CHOICE = {
 _CPU_CHUNK = 16
 
 
-def _be(t):
-    """'reference' for CPU tensors (even under TRITON_INTERPRET), the op's own choice (Triton/...) on CUDA."""
+def _backend_for(t):
+    """Backend for a zerodiff op call: the reference on CPU tensors (also under TRITON_INTERPRET, where some ops
+    would otherwise pick the slow interpreted kernel), the op's own choice on CUDA."""
     return "reference" if t.device.type == "cpu" else None
 
 
@@ -156,15 +160,11 @@ def _fixed_rows(fn, *xs, chunk=_CPU_CHUNK):
                 p = torch.cat([p, p.new_zeros((chunk - p.shape[0],) + tuple(p.shape[1:]))])
             parts.append(torch.empty_like(p, memory_format=torch.contiguous_format).copy_(p))  # fresh, aligned
         outs.append(fn(*parts))
-    n = min(chunk, T)
     if isinstance(outs[0], tuple):
         return tuple(torch.cat([o[i] for o in outs])[:T] for i in range(len(outs[0])))
-    del n
     return torch.cat(outs)[:T]
 
 
-class WeightVersionError(RuntimeError):
-    pass
 
 
 class _Guard(torch.autograd.Function):
@@ -252,7 +252,7 @@ class ConsistentOps:
     def grad(self) -> bool:
         return self.tape is not None and torch.is_grad_enabled()
 
-    def g(self, x):
+    def graph_of(self, x):
         """Graph view of a visible tensor: value == x (as fp32), gradient to its producer's graph."""
         gx = self.tape.get(x) if self.tape is not None else None
         xf = x.detach().float()
@@ -260,15 +260,16 @@ class ConsistentOps:
             return xf
         return xf + (gx - gx.detach())
 
-    def m(self, w):
+    def master(self, w):
         """Master of a weight as an FP32 graph leaf (version-guarded)."""
         return _Guard.apply(w.master, w.name)
 
-    def put(self, vis, gfn):
+    def tape_graph(self, vis, graph_fn):
+        """Training: put ``graph_fn()`` (the FP32 graph of ``vis``) on the tape; returns ``vis`` unchanged."""
         if self.grad:
-            g = gfn()
-            if g is not None and g.requires_grad:
-                self.tape.put(vis, g)
+            graph = graph_fn()
+            if graph is not None and graph.requires_grad:
+                self.tape.put(vis, graph)
         return vis
 
     def attach(self, vis):
@@ -281,45 +282,45 @@ class ConsistentOps:
         return _Attach.apply(vis, g)
 
     # ---- visible kernels (overridden by the baseline) -----------------------------------------------
-    def k_rms_norm(self, x, w):
+    def kernel_rms_norm(self, x, w):
         return rms_norm(x, w, self.cfg.rms_eps)
 
-    def k_fp8_linear(self, x, w: Fp8Weight):
+    def kernel_fp8_linear(self, x, w: Fp8Weight):
         if x.device.type == "cpu":  # CPU fast path, bit-identical to zerodiff.ops.fp8_gemm's reference backend
             aq, as_ = quant_act(x, backend="reference")
-            return _I.fp8_gemm_blocks(aq, as_, w.q, w.scale)
+            return _exact.fp8_gemm_blocks(aq, as_, w.q, w.scale)
         return fp8_linear(x, w)
 
-    def k_bf16_linear(self, x, w, out_dtype):
+    def kernel_bf16_linear(self, x, w, out_dtype):
         return bf16_gemm(x, w, out_dtype=out_dtype)
 
-    def k_router(self, x, w):
+    def kernel_router(self, x, w):
         return router_gemm(x, w)
 
-    def k_mhc_pre(self, X, fn, scale, base):
-        c = self.cfg
-        return _fixed_rows(lambda r: mhc_pre(r, fn, scale, base, sinkhorn_iters=c.sinkhorn_iters,
-                                             rms_eps=c.rms_eps, backend=_be(r)), X)
+    def kernel_mhc_pre(self, X, fn, scale, base):
+        cfg = self.cfg
+        return _fixed_rows(lambda r: mhc_pre(r, fn, scale, base, sinkhorn_iters=cfg.sinkhorn_iters,
+                                             rms_eps=cfg.rms_eps, backend=_backend_for(r)), X)
 
-    def k_mhc_post(self, y, X, post, comb):
-        return mhc_post(y, X, post, comb, backend=_be(y))
+    def kernel_mhc_post(self, y, X, post, comb):
+        return mhc_post(y, X, post, comb, backend=_backend_for(y))
 
-    def k_swiglu_quant(self, h):
-        return _fixed_rows(lambda a: silu_mul_quant_fp8(a, backend=_be(a)), h)
+    def kernel_swiglu_quant(self, h):
+        return _fixed_rows(lambda a: silu_mul_quant_fp8(a, backend=_backend_for(a)), h)
 
-    def k_topk(self, scores, k, lengths=None):
-        return deterministic_topk(scores, k, lengths, backend=_be(scores))
+    def kernel_topk(self, scores, k, lengths=None):
+        return deterministic_topk(scores, k, lengths, backend=_backend_for(scores))
 
-    def k_route(self, logits, bias, k, scale):
-        return route(logits, k, bias=bias, routed_scale=scale, topk_fn=self.k_topk)
+    def kernel_route(self, logits, bias, k, scale):
+        return route(logits, k, bias=bias, routed_scale=scale, topk_fn=self.kernel_topk)
 
-    def k_logprobs(self, logits, ids):
+    def kernel_logprobs(self, logits, ids):
         return token_logprobs(logits, ids)
 
-    def k_indexer(self, q, w, kq, ks, lengths):
+    def kernel_indexer(self, q, w, kq, ks, lengths):
         return indexer_scores(q, w, kq, ks, lengths)
 
-    def k_attention_visible(self, q, kv_nope, k_rope, cache, layer, step, sel, sm_scale):
+    def kernel_attention_visible(self, q, kv_nope, k_rope, cache, layer, step, sel, sm_scale):
         """The attention value: CUDA -> ``zerodiff.ops.attention.sparse_mla_attention`` (THE read path:
         gather_kv into a per-row BF16 workspace in fixed 256-row chunks, then sparse_attention with its
         verified default backend); CPU -> the same two steps on the whole step."""
@@ -328,9 +329,9 @@ class ConsistentOps:
             return _sa_op.sparse_mla_attention(q, cache.kv[layer], step.block_table, step.slot, sel, sm_scale,
                                                d_nope=cfg.d_latent, d_rope=cfg.d_rope, check=cache.check)[0]
         ws = cache.gather(layer, step, sel)
-        return self.k_attention(q, ws, sel, sm_scale, step, (kv_nope, k_rope))
+        return self.kernel_attention(q, ws, sel, sm_scale, step, (kv_nope, k_rope))
 
-    def k_attention(self, q, ws, sel, sm_scale, step, kv_fresh):
+    def kernel_attention(self, q, ws, sel, sm_scale, step, kv_fresh):
         """q [T, h, dqk] bf16; ws [T, K, dqk] workspace gathered from the FP8 cache; sel [T, K]."""
         idx = workspace_indices(sel)
         return sparse_attention(q, ws.reshape(-1, ws.shape[-1]), idx, sm_scale, self.cfg.d_latent)
@@ -339,51 +340,51 @@ class ConsistentOps:
     def embed(self, tokens, w):
         with torch.no_grad():
             v = w.dep[tokens]
-        return self.put(v, lambda: self.m(w)[tokens])
+        return self.tape_graph(v, lambda: self.master(w)[tokens])
 
     def rms_norm(self, x, w):
         with torch.no_grad():
-            v = self.k_rms_norm(x, w.dep)
+            v = self.kernel_rms_norm(x, w.dep)
         eps = self.cfg.rms_eps
 
-        def gfn():
-            xf = self.g(x)
+        def graph_fn():
+            xf = self.graph_of(x)
             r = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps)
-            return xf * r * self.m(w)
+            return xf * r * self.master(w)
 
-        return self.put(v, gfn)
+        return self.tape_graph(v, graph_fn)
 
     def fp8_linear(self, x, w):
         with torch.no_grad():
-            v = self.k_fp8_linear(x, w.dep)
-        return self.put(v, lambda: self.g(x) @ self.m(w).t())
+            v = self.kernel_fp8_linear(x, w.dep)
+        return self.tape_graph(v, lambda: self.graph_of(x) @ self.master(w).t())
 
     def bf16_linear(self, x, w, out_dtype=torch.bfloat16):
         with torch.no_grad():
-            v = self.k_bf16_linear(x, w.dep, out_dtype)
-        return self.put(v, lambda: self.g(x) @ self.m(w).t())
+            v = self.kernel_bf16_linear(x, w.dep, out_dtype)
+        return self.tape_graph(v, lambda: self.graph_of(x) @ self.master(w).t())
 
     def router(self, x, w):
         with torch.no_grad():
-            v = self.k_router(x, w.dep)
-        return self.put(v, lambda: self.g(x) @ self.m(w).t())
+            v = self.kernel_router(x, w.dep)
+        return self.tape_graph(v, lambda: self.graph_of(x) @ self.master(w).t())
 
     def mhc_pre(self, X, wfn, wscale, wbase):
         with torch.no_grad():
-            u, post, comb = self.k_mhc_pre(X, wfn.dep, wscale.dep, wbase.dep)
+            u, post, comb = self.kernel_mhc_pre(X, wfn.dep, wscale.dep, wbase.dep)
         if self.grad:
-            c = self.cfg
+            cfg = self.cfg
             T, n, H = X.shape
-            Xg = self.g(X)
-            fn, s, b = self.m(wfn), self.m(wscale), self.m(wbase)
+            Xg = self.graph_of(X)
+            fn, s, b = self.master(wfn), self.master(wscale), self.master(wbase)
             x = Xg.reshape(T, n * H)
-            mix = (x @ fn.t()) * torch.rsqrt((x * x).mean(-1, keepdim=True) + c.rms_eps)
+            mix = (x @ fn.t()) * torch.rsqrt((x * x).mean(-1, keepdim=True) + cfg.rms_eps)
             pre = torch.sigmoid(mix[:, :n] * s[0] + b[:n]) + 1e-6
             pg = torch.sigmoid(mix[:, n: 2 * n] * s[1] + b[n: 2 * n]) * 2.0
             lg = mix[:, 2 * n:].reshape(T, n, n) * s[2] + b[2 * n:].reshape(1, n, n)
             cm = torch.softmax(lg, -1) + 1e-6
             cm = cm / (cm.sum(-2, keepdim=True) + 1e-6)
-            for _ in range(c.sinkhorn_iters - 1):
+            for _ in range(cfg.sinkhorn_iters - 1):
                 cm = cm / (cm.sum(-1, keepdim=True) + 1e-6)
                 cm = cm / (cm.sum(-2, keepdim=True) + 1e-6)
             ug = (pre.unsqueeze(-1) * Xg).sum(1)
@@ -394,13 +395,13 @@ class ConsistentOps:
 
     def mhc_post(self, y, X, post, comb):
         with torch.no_grad():
-            v = self.k_mhc_post(y, X, post, comb)
+            v = self.kernel_mhc_post(y, X, post, comb)
 
-        def gfn():
-            yg, Xg, pg, cg = self.g(y), self.g(X), self.g(post), self.g(comb)
+        def graph_fn():
+            yg, Xg, pg, cg = self.graph_of(y), self.graph_of(X), self.graph_of(post), self.graph_of(comb)
             return pg.unsqueeze(-1) * yg.unsqueeze(1) + torch.einsum("tij,tih->tjh", cg, Xg)
 
-        return self.put(v, gfn)
+        return self.tape_graph(v, graph_fn)
 
     def mhc_final(self, X):
         """Sum of the n streams, left to right in FP32, one rounding to BF16."""
@@ -409,7 +410,7 @@ class ConsistentOps:
             for i in range(1, X.shape[1]):
                 acc = acc + X[:, i].float()
             v = acc.to(torch.bfloat16)
-        return self.put(v, lambda: self.g(X).sum(1))
+        return self.tape_graph(v, lambda: self.graph_of(X).sum(1))
 
     def rope(self, x, cos, sin):
         """Half-split rotary on the last dim: x [T, ..., R] bf16, cos/sin fp32 [T, R/2] (per token)."""
@@ -423,7 +424,7 @@ class ConsistentOps:
 
         with torch.no_grad():
             v = f(x.float()).to(torch.bfloat16)
-        return self.put(v, lambda: f(self.g(x)))
+        return self.tape_graph(v, lambda: f(self.graph_of(x)))
 
     def indexer_topk(self, q, w, cache, layer, step):
         """Positions [T, topk] int32 (request-local, descending, -1 last) of the DSA selection."""
@@ -436,21 +437,21 @@ class ConsistentOps:
                                                 step.pos, self.cfg.topk, self.cfg.max_pos, check=cache.check)
                 scores = _idx_op.index_scores(q8, wq, cache.idx_cache[layer], step.block_table, step.slot, step.pos,
                                               self.cfg.max_pos, check=cache.check)
-                return self.k_topk(scores, self.cfg.topk, (step.pos + 1).to(torch.int32))
+                return self.kernel_topk(scores, self.cfg.topk, (step.pos + 1).to(torch.int32))
         with torch.no_grad():
             Wd = max(int(step.max_pos) + 1, self.cfg.topk) if not _cuda(q) else self.cfg.max_pos
             kq, ks = cache.gather_index_keys(layer, step, Wd)
             lengths = (step.pos + 1).to(torch.int32)
-            scores = self.k_indexer(q, w, kq, ks, lengths)
-            return self.k_topk(scores, self.cfg.topk, lengths)
+            scores = self.kernel_indexer(q, w, kq, ks, lengths)
+            return self.kernel_topk(scores, self.cfg.topk, lengths)
 
     def attention(self, q, kv_nope, k_rope, cache, layer, step, sel):
         cfg = self.cfg
         sm_scale = 1.0 / math.sqrt(cfg.d_qk)
         with torch.no_grad():
-            v = self.k_attention_visible(q, kv_nope, k_rope, cache, layer, step, sel, sm_scale)
+            v = self.kernel_attention_visible(q, kv_nope, k_rope, cache, layer, step, sel, sm_scale)
 
-        def gfn():
+        def graph_fn():
             # dense masked form of the same attention (the selection is a mask over this step's tokens): no
             # [T, K, d_qk] gather; the index order only matters for the visible bits. Query rows go in
             # checkpointed blocks of GRAPH_ATTN_ROWS (recomputed in backward), so the graph holds
@@ -460,69 +461,69 @@ class ConsistentOps:
             mask = torch.zeros(T, T + 1, dtype=torch.bool, device=q.device)
             mask.scatter_(1, torch.where(flat >= 0, flat, torch.full_like(flat, T)), True)
             mask = mask[:, :T]
-            kv = torch.cat([self.g(kv_nope), self.g(k_rope)], -1)  # [T, dqk]
-            qg = self.g(q)
+            kv = torch.cat([self.graph_of(kv_nope), self.graph_of(k_rope)], -1)  # [T, dqk]
+            qg = self.graph_of(q)
             rows = GRAPH_ATTN_ROWS
             if T <= rows:
                 return _masked_attention_rows(qg, kv, mask, sm_scale, cfg.d_latent)
             return torch.cat([_checkpoint(_masked_attention_rows, qg[a: a + rows], kv, mask[a: a + rows], sm_scale,
                                           cfg.d_latent, use_reentrant=False) for a in range(0, T, rows)])
 
-        return self.put(v, gfn)
+        return self.tape_graph(v, graph_fn)
 
     def route(self, logits, bias_w):
         cfg = self.cfg
         with torch.no_grad():
-            wts, ids = self.k_route(logits, bias_w.dep, cfg.top_experts, cfg.routed_scale)
+            wts, ids = self.kernel_route(logits, bias_w.dep, cfg.top_experts, cfg.routed_scale)
 
-        def gfn():
-            sc = torch.sigmoid(self.g(logits)).gather(1, ids.long())
+        def graph_fn():
+            sc = torch.sigmoid(self.graph_of(logits)).gather(1, ids.long())
             return sc / sc.sum(-1, keepdim=True) * cfg.routed_scale
 
-        return self.put(wts, gfn), ids
+        return self.tape_graph(wts, graph_fn), ids
 
     def _expert_visible(self, x, w13: Fp8Weight, w2: Fp8Weight):
-        h = self.k_fp8_linear(x, w13)
-        q, s = self.k_swiglu_quant(h)
-        return self.k_fp8_down(q, s, h, w2)
+        h = self.kernel_fp8_linear(x, w13)
+        q, s = self.kernel_swiglu_quant(h)
+        return self.kernel_fp8_down(q, s, h, w2)
 
-    def k_fp8_down(self, q, s, h, w2):
+    def kernel_fp8_down(self, q, s, h, w2):
         if q.device.type == "cpu":
-            return _I.fp8_gemm_blocks(q, s, w2.q, w2.scale)
+            return _exact.fp8_gemm_blocks(q, s, w2.q, w2.scale)
         return fp8_gemm(q, s, w2.q, w2.scale)
 
-    def k_moe_visible(self, x, wts, ids, w13: Fp8Weight, w2: Fp8Weight, s13: Fp8Weight, s2: Fp8Weight):
+    def kernel_moe_visible(self, x, wts, ids, w13: Fp8Weight, w2: Fp8Weight, s13: Fp8Weight, s2: Fp8Weight):
         """MoE block value: routed experts combined in FP32 in slot order + shared expert in FP32, one rounding.
         CUDA: ``zerodiff.ops.moe.moe_experts`` - masked layout with the static capacity T (the padded graph
         batch) while capturing / emulating CUDA-graph decode (``graph_safe``), contiguous otherwise (eager
         rollout steps and training); the contract makes a token's value the same in both. CPU: per-slot
-        grouped reference GEMMs (:meth:`k_experts`)."""
+        grouped reference GEMMs (:meth:`kernel_experts`)."""
         if _cuda(x):
             layout = "masked" if self.graph_safe else "contiguous"
             routed = _moe_op.moe_experts(x, wts, ids, _moe_op.MoEWeights(w13, w2), layout=layout,
                                          capacity=x.shape[0] if self.graph_safe else None)
         else:
             routed = self._routed_generic(x, wts, ids, w13, w2)
-        sh = self._expert_visible(x, s13, s2).float()
-        return (routed + sh).to(torch.bfloat16)
+        shared = self._expert_visible(x, s13, s2).float()
+        return (routed + shared).to(torch.bfloat16)
 
     def _routed_generic(self, x, wts, ids, w13, w2):
-        """fp32 [T, H]: k_experts on the (token, slot) rows, combined in slot order."""
+        """fp32 [T, H]: kernel_experts on the (token, slot) rows, combined in slot order."""
         T, k = ids.shape
         xr = x.unsqueeze(1).expand(T, k, x.shape[1]).reshape(T * k, x.shape[1])
-        slot_out = self.k_experts(xr, w13, w2, ids.long().reshape(-1)).view(T, k, x.shape[1])
+        slot_out = self.kernel_experts(xr, w13, w2, ids.long().reshape(-1)).view(T, k, x.shape[1])
         acc = wts[:, 0:1] * slot_out[:, 0].float()
         for j in range(1, k):
             acc = acc + wts[:, j: j + 1] * slot_out[:, j].float()
         return acc
 
-    def k_experts(self, xr, w13: Fp8Weight, w2: Fp8Weight, row_expert):
+    def kernel_experts(self, xr, w13: Fp8Weight, w2: Fp8Weight, row_expert):
         """Routed experts on rows [R, H] (row r uses expert row_expert[r]) -> bf16 [R, H] (CPU path; eager)."""
         if xr.device.type == "cpu":  # one grouped call, bit-identical to the per-expert reference
             aq, as_ = quant_act(xr, backend="reference")
-            h = _I.fp8_gemm_blocks(aq, as_, w13.q, w13.scale, row_expert=row_expert)
-            q, s = self.k_swiglu_quant(h)
-            return _I.fp8_gemm_blocks(q, s, w2.q, w2.scale, row_expert=row_expert)
+            h = _exact.fp8_gemm_blocks(aq, as_, w13.q, w13.scale, row_expert=row_expert)
+            q, s = self.kernel_swiglu_quant(h)
+            return _exact.fp8_gemm_blocks(q, s, w2.q, w2.scale, row_expert=row_expert)
         out = torch.zeros(xr.shape[0], w2.q.shape[1], dtype=torch.bfloat16, device=xr.device)
         for e in torch.unique(row_expert).tolist():
             rr = (row_expert == e).nonzero(as_tuple=True)[0]
@@ -534,43 +535,43 @@ class ConsistentOps:
         T, k = ids.shape
         idl = ids.long()
         with torch.no_grad():
-            v = self.k_moe_visible(x, wts, ids, e13.dep, e2.dep, s13.dep, s2.dep)
+            v = self.kernel_moe_visible(x, wts, ids, e13.dep, e2.dep, s13.dep, s2.dep)
 
-        def gfn():
-            xg = self.g(x)
-            wg = self.g(wts)
-            W13, W2, S13, S2 = self.m(e13), self.m(e2), self.m(s13), self.m(s2)
-            I = W13.shape[1] // 2
+        def graph_fn():
+            xg = self.graph_of(x)
+            wg = self.graph_of(wts)
+            W13, W2, S13, S2 = self.master(e13), self.master(e2), self.master(s13), self.master(s2)
+            inter = W13.shape[1] // 2
             out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
             for e in torch.unique(idl).tolist():
                 tt, jj = (idl == e).nonzero(as_tuple=True)
                 hh = xg[tt] @ W13[e].t()
-                y = (_silu(hh[:, :I]) * hh[:, I:]) @ W2[e].t()
+                y = (_silu(hh[:, :inter]) * hh[:, inter:]) @ W2[e].t()
                 out = out.index_add(0, tt, wg[tt, jj].unsqueeze(-1) * y)
-            Is = S13.shape[0] // 2
+            shared_inter = S13.shape[0] // 2
             hs = xg @ S13.t()
-            return out + (_silu(hs[:, :Is]) * hs[:, Is:]) @ S2.t()
+            return out + (_silu(hs[:, :shared_inter]) * hs[:, shared_inter:]) @ S2.t()
 
-        return self.put(v, gfn)
+        return self.tape_graph(v, graph_fn)
 
     def lm_head(self, x, w):
         return self.bf16_linear(x, w, out_dtype=torch.float32)
 
     def logprobs(self, logits, ids):
         with torch.no_grad():
-            v = self.k_logprobs(logits, ids)
+            v = self.kernel_logprobs(logits, ids)
 
-        def gfn():
-            return torch.log_softmax(self.g(logits), -1).gather(1, ids.long().unsqueeze(1)).squeeze(1)
+        def graph_fn():
+            return torch.log_softmax(self.graph_of(logits), -1).gather(1, ids.long().unsqueeze(1)).squeeze(1)
 
-        return self.attach(self.put(v, gfn))
+        return self.attach(self.tape_graph(v, graph_fn))
 
 
 # ---- baseline (negative control) -----------------------------------------------------------------------
 _DEQ_CACHE: dict = {}  # id(q) -> (weakref(q), version, dequantised BF16 weight)
 
 
-def _deq(w: Fp8Weight):
+def _dequant_fp32(w: Fp8Weight):
     """FP32 dequantised weight (per call)."""
     return dequant_weight_block_ref(w.q, w.scale)
 
@@ -603,15 +604,15 @@ class BaselineRolloutOps(ConsistentOps):
         super().__init__(cfg)
         self._mla_meta: dict = {}  # (layer, padded batch) -> FlashMLA scheduler metadata of a captured decode graph
 
-    def k_rms_norm(self, x, w):
+    def kernel_rms_norm(self, x, w):
         return F.rms_norm(x.float(), (x.shape[-1],), w.float(), self.cfg.rms_eps).to(torch.bfloat16)
 
-    def k_fp8_linear(self, x, w):
+    def kernel_fp8_linear(self, x, w):
         if _cuda(x):  # stock group quant + DeepGEMM fp8_gemm_nt
-            return _BC.fp8_linear(x, w, _deq_bf16_cached)
+            return _stock_cuda.fp8_linear(x, w, _deq_bf16_cached)
         return F.linear(x, _deq_bf16_cached(w.q, w.scale))
 
-    def k_fp8_down(self, q, s, h, w2):
+    def kernel_fp8_down(self, q, s, h, w2):
         if _cuda(q):
             from zerodiff.model.baseline_cuda import _need
 
@@ -619,79 +620,80 @@ class BaselineRolloutOps(ConsistentOps):
             if q.shape[0]:
                 _need("deepgemm").fp8_gemm_nt((q, s.contiguous()), (w2.q, w2.scale), out, disable_ue8m0_cast=True)
             return out
-        return super().k_fp8_down(q, s, h, w2)
+        return super().kernel_fp8_down(q, s, h, w2)
 
-    def k_moe_visible(self, x, wts, ids, w13, w2, s13, s2):
+    def kernel_moe_visible(self, x, wts, ids, w13, w2, s13, s2):
         if not _cuda(x):
-            return super().k_moe_visible(x, wts, ids, w13, w2, s13, s2)
-        routed = _BC.moe_routed(x, wts, ids, w13, w2, graph=self.graph_safe)
-        sh = self._expert_visible(x, s13, s2).float()
-        return (routed + sh).to(torch.bfloat16)
+            return super().kernel_moe_visible(x, wts, ids, w13, w2, s13, s2)
+        routed = _stock_cuda.moe_routed(x, wts, ids, w13, w2, graph=self.graph_safe)
+        shared = self._expert_visible(x, s13, s2).float()
+        return (routed + shared).to(torch.bfloat16)
 
-    def k_attention_visible(self, q, kv_nope, k_rope, cache, layer, step, sel, sm_scale):
+    def kernel_attention_visible(self, q, kv_nope, k_rope, cache, layer, step, sel, sm_scale):
         if not _cuda(q):
-            return super().k_attention_visible(q, kv_nope, k_rope, cache, layer, step, sel, sm_scale)
+            return super().kernel_attention_visible(q, kv_nope, k_rope, cache, layer, step, sel, sm_scale)
         cfg = self.cfg
         bs = cache.block_size
         if getattr(step, "pure_decode", False):  # captured decode graph: one scheduler metadata per (layer, S)
             key = (layer, q.shape[0])
             if key not in self._mla_meta:
-                self._mla_meta[key] = _BC._need("flashmla").get_mla_metadata()[0]
-            return _BC.flashmla_decode(q, cache.kv[layer], _BC.cache_slots(step, sel, bs), sm_scale, cfg.d_latent,
-                                       self._mla_meta[key])
+                self._mla_meta[key] = _stock_cuda._need("flashmla").get_mla_metadata()[0]
+            return _stock_cuda.flashmla_decode(q, cache.kv[layer], _stock_cuda.cache_slots(step, sel, bs), sm_scale,
+                                               cfg.d_latent, self._mla_meta[key])
         dec = step.decode_host or []
         T = q.shape[0]
         if len(dec) == T:  # eager pure-decode step
-            return _BC.flashmla_decode(q, cache.kv[layer], _BC.cache_slots(step, sel, bs), sm_scale, cfg.d_latent)
+            return _stock_cuda.flashmla_decode(q, cache.kv[layer], _stock_cuda.cache_slots(step, sel, bs), sm_scale,
+                                               cfg.d_latent)
         if not dec:
-            return _BC.flashmla_prefill(q, cache.kv[layer], step, sel, sm_scale, cfg.d_latent, cfg.d_rope, bs)
+            return _stock_cuda.flashmla_prefill(q, cache.kv[layer], step, sel, sm_scale, cfg.d_latent, cfg.d_rope, bs)
         # mixed step: decode tokens through the decode kernel, the others through the prefill path (as vLLM)
         out = torch.empty(T, q.shape[1], cfg.d_latent, dtype=torch.bfloat16, device=q.device)
         di = torch.tensor(dec, dtype=torch.int64, device=q.device)
         dset = set(dec)
         pi = torch.tensor([i for i in range(T) if i not in dset], dtype=torch.int64, device=q.device)
-        out[di] = _BC.flashmla_decode(q[di], cache.kv[layer], _BC.cache_slots(step, sel[di], bs, rows=di), sm_scale,
-                                      cfg.d_latent)
-        out[pi] = _BC.flashmla_prefill(q[pi], cache.kv[layer], step, sel[pi], sm_scale, cfg.d_latent, cfg.d_rope, bs,
-                                       rows=pi)
+        slots = _stock_cuda.cache_slots(step, sel[di], bs, rows=di)
+        out[di] = _stock_cuda.flashmla_decode(q[di], cache.kv[layer], slots, sm_scale, cfg.d_latent)
+        out[pi] = _stock_cuda.flashmla_prefill(q[pi], cache.kv[layer], step, sel[pi], sm_scale, cfg.d_latent,
+                                               cfg.d_rope, bs, rows=pi)
         return out
 
     def _expert_bf16(self, x, w13, w2):
         h = F.linear(x, w13)
-        q, s = self.k_swiglu_quant(h)
+        q, s = self.kernel_swiglu_quant(h)
         a = (q.float() * s.repeat_interleave(128, dim=1)[:, : q.shape[1]]).to(torch.bfloat16)
         return F.linear(a, w2)
 
-    def k_bf16_linear(self, x, w, out_dtype):
+    def kernel_bf16_linear(self, x, w, out_dtype):
         return F.linear(x, w).to(out_dtype)
 
-    def k_router(self, x, w):
+    def kernel_router(self, x, w):
         return F.linear(x.float(), w.float())  # stock FP32 router GEMM (shape-dependent cuBLAS/CPU kernel)
 
-    def k_mhc_pre(self, X, fn, scale, base):
+    def kernel_mhc_pre(self, X, fn, scale, base):
         from zerodiff.baselines.mhc import mhc_pre_split_baseline
 
         if X.is_cuda:  # vLLM's path: DeepGEMM tf32_hc_prenorm_gemm with the batch-size split heuristic
             info: dict = {}
             r = mhc_pre_split_baseline(X, fn, scale, base, sinkhorn_iters=self.cfg.sinkhorn_iters,
                                        rms_eps=self.cfg.rms_eps, gemm="auto", epilogue="auto", info=info)
-            _BC.CHOICES.setdefault(("mhc pre",), f"mhc_pre_split_baseline: gemm {info.get('gemm')}, epilogue "
+            _stock_cuda.CHOICES.setdefault(("mhc pre",), f"mhc_pre_split_baseline: gemm {info.get('gemm')}, epilogue "
                                    f"{info.get('epilogue')}" + (f" (DeepGEMM error: {info['deepgemm_error']})"
                                                                 if info.get("deepgemm_error") else ""))
             return r
         return mhc_pre_split_baseline(X, fn, scale, base, sinkhorn_iters=self.cfg.sinkhorn_iters,
                                       rms_eps=self.cfg.rms_eps, n_sms=132, gemm="torch", epilogue="torch")
 
-    def k_mhc_post(self, y, X, post, comb):
+    def kernel_mhc_post(self, y, X, post, comb):
         return (post.unsqueeze(-1) * y.float().unsqueeze(1)
                 + torch.einsum("tij,tih->tjh", comb, X.float())).to(torch.bfloat16)
 
-    def k_swiglu_quant(self, h):
-        I = h.shape[1] // 2
-        a = F.silu(h[:, :I]) * h[:, I:]  # two BF16 roundings
-        return quant_act(a, backend=_be(a))
+    def kernel_swiglu_quant(self, h):
+        half = h.shape[1] // 2
+        a = F.silu(h[:, :half]) * h[:, half:]  # two BF16 roundings
+        return quant_act(a, backend=_backend_for(a))
 
-    def k_topk(self, scores, k, lengths=None):
+    def kernel_topk(self, scores, k, lengths=None):
         if lengths is not None:
             W = scores.shape[1]
             col = torch.arange(W, device=scores.device)[None, :]
@@ -700,13 +702,13 @@ class BaselineRolloutOps(ConsistentOps):
         idx = idx.to(torch.int32).masked_fill(vals == float("-inf"), -1)
         return idx
 
-    def k_route(self, logits, bias, k, scale):
+    def kernel_route(self, logits, bias, k, scale):
         sc = torch.sigmoid(logits)
         _, ids = torch.topk(sc + bias, k, dim=1)
         w = sc.gather(1, ids)
         return w / w.sum(-1, keepdim=True) * scale, ids.to(torch.int32)
 
-    def k_experts(self, xr, w13, w2, row_expert):  # CPU baseline (CUDA: k_moe_visible -> DeepGEMM grouped)
+    def kernel_experts(self, xr, w13, w2, row_expert):  # CPU baseline (CUDA: kernel_moe_visible -> DeepGEMM grouped)
         out = torch.zeros(xr.shape[0], w2.q.shape[1], dtype=torch.bfloat16, device=xr.device)
         W13 = _deq_bf16_cached(w13.q, w13.scale)
         W2 = _deq_bf16_cached(w2.q, w2.scale)
@@ -715,15 +717,15 @@ class BaselineRolloutOps(ConsistentOps):
             out[rr] = self._expert_bf16(xr[rr], W13[e], W2[e])
         return out
 
-    def k_logprobs(self, logits, ids):
+    def kernel_logprobs(self, logits, ids):
         return torch.log_softmax(logits.float(), -1).gather(1, ids.long().unsqueeze(1)).squeeze(1)
 
-    def k_indexer(self, q, w, kq, ks, lengths):
+    def kernel_indexer(self, q, w, kq, ks, lengths):
         k = kq.float() * ks
         s = torch.relu(torch.einsum("thd,twd->thw", q.float(), k))
         return torch.einsum("th,thw->tw", w, s)
 
-    def k_attention(self, q, ws, sel, sm_scale, step, kv_fresh):
+    def kernel_attention(self, q, ws, sel, sm_scale, step, kv_fresh):
         valid = sel >= 0
         qf, kf = q.float(), ws.float()
         s = torch.einsum("thd,tkd->thk", qf, kf) * sm_scale
@@ -764,32 +766,33 @@ class BaselineTrainOps(BaselineRolloutOps):
 
     side = "train"
 
-    def k_fp8_down(self, q, s, h, w2):
-        return ConsistentOps.k_fp8_down(self, q, s, h, w2)  # unused: _expert_visible is overridden
+    def kernel_fp8_down(self, q, s, h, w2):
+        return ConsistentOps.kernel_fp8_down(self, q, s, h, w2)  # unused: _expert_visible is overridden
 
-    def k_moe_visible(self, x, wts, ids, w13, w2, s13, s2):
-        return (self._routed_generic(x, wts, ids, w13, w2) + self._expert_visible(x, s13, s2).float()).to(torch.bfloat16)
+    def kernel_moe_visible(self, x, wts, ids, w13, w2, s13, s2):
+        return (self._routed_generic(x, wts, ids, w13, w2)
+                + self._expert_visible(x, s13, s2).float()).to(torch.bfloat16)
 
-    def k_attention_visible(self, q, kv_nope, k_rope, cache, layer, step, sel, sm_scale):
+    def kernel_attention_visible(self, q, kv_nope, k_rope, cache, layer, step, sel, sm_scale):
         # training-style: dense attention over the fresh BF16 K/V of this step (never through the FP8 cache)
-        return self.k_attention(q, None, sel, sm_scale, step, (kv_nope, k_rope))
+        return self.kernel_attention(q, None, sel, sm_scale, step, (kv_nope, k_rope))
 
-    def k_fp8_linear(self, x, w):
-        return (x.float() @ _deq(w).t()).to(torch.bfloat16)
+    def kernel_fp8_linear(self, x, w):
+        return (x.float() @ _dequant_fp32(w).t()).to(torch.bfloat16)
 
-    def k_router(self, x, w):
+    def kernel_router(self, x, w):
         return F.linear(x.float(), w.float())
 
-    def k_mhc_pre(self, X, fn, scale, base):
+    def kernel_mhc_pre(self, X, fn, scale, base):
         from zerodiff.baselines.mhc import mhc_pre_torch_eager
 
         return mhc_pre_torch_eager(X, fn, scale, base, sinkhorn_iters=self.cfg.sinkhorn_iters,
                                    rms_eps=self.cfg.rms_eps)
 
-    def k_swiglu_quant(self, h):
+    def kernel_swiglu_quant(self, h):
         return None, None  # unused: _expert_visible is overridden
 
-    def k_experts(self, xr, w13, w2, row_expert):
+    def kernel_experts(self, xr, w13, w2, row_expert):
         out = torch.zeros(xr.shape[0], w2.q.shape[1], dtype=torch.bfloat16, device=xr.device)
         for e in torch.unique(row_expert).tolist():
             rr = (row_expert == e).nonzero(as_tuple=True)[0]
@@ -797,12 +800,12 @@ class BaselineTrainOps(BaselineRolloutOps):
         return out
 
     def _expert_visible(self, x, w13, w2):
-        h = (x.float() @ _deq(w13).t())
-        I = h.shape[1] // 2
-        a = (F.silu(h[:, :I]) * h[:, I:]).to(torch.bfloat16)
-        return (a.float() @ _deq(w2).t()).to(torch.bfloat16)
+        h = (x.float() @ _dequant_fp32(w13).t())
+        half = h.shape[1] // 2
+        a = (F.silu(h[:, :half]) * h[:, half:]).to(torch.bfloat16)
+        return (a.float() @ _dequant_fp32(w2).t()).to(torch.bfloat16)
 
-    def k_attention(self, q, ws, sel, sm_scale, step, kv_fresh):
+    def kernel_attention(self, q, ws, sel, sm_scale, step, kv_fresh):
         kv_nope, k_rope = kv_fresh
         if q.is_cuda:  # dense masked form in query chunks (a [T, K, d] gather would not fit at the h200 shapes)
             return self._dense_masked(q, kv_nope, k_rope, sel, sm_scale, step)
@@ -850,6 +853,6 @@ def make_ops(mode: str, side: str, cfg):
 
 __all__ = [
     "ConsistentOps", "BaselineRolloutOps", "BaselineTrainOps", "make_ops", "Tape", "WeightVersionError",
-    "Fp8Weight", "new_kv_cache", "write_kv_cache", "gather_kv", "BASELINE_CHOICE", "INTERIM_OPS", "det_exp",
-    "tree_sum",
+    "Fp8Weight", "new_kv_cache", "write_kv_cache", "gather_kv", "BASELINE_CHOICE", "CPU_EXACT_OPS", "INTERIM_OPS",
+    "det_exp", "tree_sum",
 ]

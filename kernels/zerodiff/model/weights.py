@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
-from .ops import Fp8Weight, _be
+from .ops import Fp8Weight, _backend_for
 
 #: suffixes of matrices deployed as block FP8 (everything else is deployed as a copy of its master)
 FP8_SUFFIXES = ("wq_a", "wq_b", "wkv_a", "wo", "idx_wq", "idx_wk", "exp_w13", "exp_w2", "sh_w13", "sh_w2")
@@ -112,7 +112,7 @@ class Deployment:
         with torch.no_grad():
             for name, m in masters.items():
                 if is_fp8(name):
-                    self.tensors[name] = Fp8Weight.from_master(m.detach(), backend=_be(m))
+                    self.tensors[name] = Fp8Weight.from_master(m.detach(), backend=_backend_for(m))
                 else:
                     self.tensors[name] = m.detach().clone()
 
@@ -122,7 +122,7 @@ class Deployment:
             for name, m in masters.items():
                 d = self.tensors[name]
                 if isinstance(d, Fp8Weight):
-                    d.requantize_(m.detach(), backend=_be(m))
+                    d.requantize_(m.detach(), backend=_backend_for(m))
                 else:
                     d.copy_(m.detach())
 

@@ -30,6 +30,7 @@ import torch
 from .. import _triton
 from .._triton import EXACT_CASTS, HAVE_TRITON, LAUNCH_OPTS
 from ..reference.bf16_gemm import bf16_gemm_ref
+from ..errors import InputError
 
 #: programs per M tile the split targets (a constant, never derived from M or the device)
 _TARGET_PROGRAMS = 64
@@ -132,13 +133,13 @@ def _launch(x, w, out_dtype, cfg=None):
 
 def _check(x, w, name="bf16_gemm"):
     if x.dim() != 2 or w.dim() != 2:
-        raise ValueError(f"zerodiff.{name}: x and w must be 2-D, got {tuple(x.shape)} and {tuple(w.shape)}")
+        raise InputError(f"zerodiff.{name}: x and w must be 2-D, got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        raise ValueError(f"zerodiff.{name}: x and w must be bf16, got {x.dtype} and {w.dtype}")
+        raise InputError(f"zerodiff.{name}: x and w must be bf16, got {x.dtype} and {w.dtype}")
     if x.shape[1] != w.shape[1]:
-        raise ValueError(f"zerodiff.{name}: K mismatch: x has K={x.shape[1]}, w has K={w.shape[1]}")
+        raise InputError(f"zerodiff.{name}: K mismatch: x has K={x.shape[1]}, w has K={w.shape[1]}")
     if x.device != w.device:
-        raise ValueError(f"zerodiff.{name}: x on {x.device}, w on {w.device}")
+        raise InputError(f"zerodiff.{name}: x on {x.device}, w on {w.device}")
 
 
 def _pick(backend, t, name):
@@ -149,7 +150,7 @@ def bf16_gemm(x: torch.Tensor, w: torch.Tensor, *, out_dtype=torch.bfloat16, bac
     """``x bf16 [M, K] x w bf16 [N, K]^T -> out_dtype [M, N]``, fixed order (see module contract)."""
     _check(x, w)
     if out_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"zerodiff.bf16_gemm: out_dtype must be bf16 or fp32, got {out_dtype}")
+        raise InputError(f"zerodiff.bf16_gemm: out_dtype must be bf16 or fp32, got {out_dtype}")
     if _pick(backend, x, "bf16_gemm") == "reference":
         return bf16_gemm_ref(x, w, out_dtype)
     return _launch(x, w, out_dtype)

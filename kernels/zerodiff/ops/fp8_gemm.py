@@ -58,6 +58,7 @@ from .. import _triton, backends
 from .._triton import EXACT_CASTS, HAVE_TRITON, LAUNCH_OPTS
 from ..reference.fp8_gemm import fp8_gemm_ref
 from .fp8_quant import FP8_DTYPE, Fp8Weight, quant_act
+from ..errors import InputError
 
 BLOCK_M = 64
 BLOCK_K = 128
@@ -122,20 +123,20 @@ def gemm_config(N: int, K: int) -> dict:
 
 def _check_operands(a_q, a_scale, w_q, w_scale, grouped=False):
     if a_q.dtype != FP8_DTYPE or w_q.dtype != FP8_DTYPE:
-        raise ValueError(f"zerodiff.fp8_gemm: a_q and w_q must be float8_e4m3fn, got {a_q.dtype}, {w_q.dtype}")
+        raise InputError(f"zerodiff.fp8_gemm: a_q and w_q must be float8_e4m3fn, got {a_q.dtype}, {w_q.dtype}")
     if a_scale.dtype != torch.float32 or w_scale.dtype != torch.float32:
-        raise ValueError(f"zerodiff.fp8_gemm: scales must be fp32, got {a_scale.dtype}, {w_scale.dtype}")
+        raise InputError(f"zerodiff.fp8_gemm: scales must be fp32, got {a_scale.dtype}, {w_scale.dtype}")
     if a_q.dim() != 2 or w_q.dim() != (3 if grouped else 2):
-        raise ValueError(f"zerodiff.fp8_gemm: bad ranks a_q {tuple(a_q.shape)}, w_q {tuple(w_q.shape)}")
+        raise InputError(f"zerodiff.fp8_gemm: bad ranks a_q {tuple(a_q.shape)}, w_q {tuple(w_q.shape)}")
     M, K = a_q.shape
     N = w_q.shape[-2]
     if w_q.shape[-1] != K:
-        raise ValueError(f"zerodiff.fp8_gemm: K mismatch: a_q has K={K}, w_q has K={w_q.shape[-1]}")
+        raise InputError(f"zerodiff.fp8_gemm: K mismatch: a_q has K={K}, w_q has K={w_q.shape[-1]}")
     Kb = (K + 127) // 128
     if tuple(a_scale.shape) != (M, Kb):
-        raise ValueError(f"zerodiff.fp8_gemm: a_scale must be [{M}, {Kb}] (1x128 groups), got {tuple(a_scale.shape)}")
+        raise InputError(f"zerodiff.fp8_gemm: a_scale must be [{M}, {Kb}] (1x128 groups), got {tuple(a_scale.shape)}")
     if tuple(w_scale.shape[-2:]) != ((N + 127) // 128, Kb):
-        raise ValueError(f"zerodiff.fp8_gemm: w_scale must be [..., {(N + 127) // 128}, {Kb}] (128x128 blocks), "
+        raise InputError(f"zerodiff.fp8_gemm: w_scale must be [..., {(N + 127) // 128}, {Kb}] (128x128 blocks), "
                          f"got {tuple(w_scale.shape)}")
     return M, N, K
 
@@ -154,7 +155,7 @@ def _launch(a_q, a_scale, w_q, w_scale, out, tile_expert=None):
     if grouped:
         n_tiles = tile_expert.numel()
         if n_tiles * BLOCK_M < M:
-            raise ValueError(f"zerodiff.fp8_gemm: tile_expert has {n_tiles} tiles of {BLOCK_M} rows, fewer than M={M}")
+            raise InputError(f"zerodiff.fp8_gemm: tile_expert has {n_tiles} tiles of {BLOCK_M} rows, fewer than M={M}")
         se, sse = w_q.stride(0), w_scale.stride(0)
     else:
         n_tiles = triton.cdiv(M, cfg["BLOCK_M"])
@@ -267,7 +268,7 @@ def selected_backend(N: int, K: int, device, ue8m0: bool = False) -> str:
     env = os.environ.get("ZERODIFF_FP8_GEMM_BACKEND")
     if env:
         if env not in ("triton", "deepgemm", "reference"):
-            raise ValueError(f"zerodiff.fp8_gemm: ZERODIFF_FP8_GEMM_BACKEND={env!r} (use triton|deepgemm|reference)")
+            raise InputError(f"zerodiff.fp8_gemm: ZERODIFF_FP8_GEMM_BACKEND={env!r} (use triton|deepgemm|reference)")
         return env
     return "deepgemm" if deepgemm_verdict(N, K, device, ue8m0)[0] else "triton"
 
@@ -276,7 +277,7 @@ def _resolve(backend, device, N, K, ue8m0):
     if backend is None:
         return selected_backend(N, K, device, ue8m0)
     if backend not in ("triton", "deepgemm", "reference"):
-        raise ValueError(f"zerodiff.fp8_gemm: unknown backend={backend!r} (None, 'triton', 'deepgemm', 'reference')")
+        raise InputError(f"zerodiff.fp8_gemm: unknown backend={backend!r} (None, 'triton', 'deepgemm', 'reference')")
     if backend == "triton":
         _triton.require_triton()
         if not _triton.triton_usable_for(device):
@@ -289,7 +290,7 @@ def fp8_gemm(a_q, a_scale, w_q, w_scale, *, out_dtype=torch.bfloat16, backend=No
     """Block-FP8 GEMM ``a_q [M, K] x w_q [N, K]^T -> [M, N]`` (see the module contract)."""
     M, N, K = _check_operands(a_q, a_scale, w_q, w_scale)
     if out_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"zerodiff.fp8_gemm: out_dtype must be bf16 or fp32, got {out_dtype}")
+        raise InputError(f"zerodiff.fp8_gemm: out_dtype must be bf16 or fp32, got {out_dtype}")
     be = _resolve(backend, a_q.device, N, K, ue8m0)
     if be == "reference":
         r = fp8_gemm_ref(a_q, a_scale, w_q, w_scale, out_dtype)
@@ -301,7 +302,7 @@ def fp8_gemm(a_q, a_scale, w_q, w_scale, *, out_dtype=torch.bfloat16, backend=No
         out = torch.empty((M, N), dtype=out_dtype, device=a_q.device)
     if be == "deepgemm":
         if out_dtype != torch.bfloat16:
-            raise ValueError("zerodiff.fp8_gemm: backend='deepgemm' produces bf16 only")
+            raise InputError("zerodiff.fp8_gemm: backend='deepgemm' produces bf16 only")
         dg = _require_deepgemm(N, K, a_q.device, ue8m0)
         if M == 0:
             return out
@@ -312,9 +313,9 @@ def fp8_gemm(a_q, a_scale, w_q, w_scale, *, out_dtype=torch.bfloat16, backend=No
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, *, backend=None) -> torch.Tensor:
     """``quant_act(x)`` (1x128 groups, the weight's scale variant) then :func:`fp8_gemm` -> bf16 [M, N]."""
     if x.dim() != 2 or x.dtype != torch.bfloat16:
-        raise ValueError(f"zerodiff.fp8_gemm: x must be bf16 [M, K], got {x.dtype} {tuple(x.shape)}")
+        raise InputError(f"zerodiff.fp8_gemm: x must be bf16 [M, K], got {x.dtype} {tuple(x.shape)}")
     if not isinstance(w, Fp8Weight) or w.q.dim() != 2:
-        raise ValueError("zerodiff.fp8_gemm: w must be a 2-D Fp8Weight")
+        raise InputError("zerodiff.fp8_gemm: w must be a 2-D Fp8Weight")
     N, K = w.q.shape
     be = _resolve(backend, x.device, N, K, w.ue8m0)
     qbe = "reference" if be == "reference" else "triton"
@@ -332,9 +333,9 @@ def grouped_fp8_gemm(a_q, a_scale, w_q, w_scale, tile_expert, *, out_dtype=torch
     """
     M, N, K = _check_operands(a_q, a_scale, w_q, w_scale, grouped=True)
     if tile_expert.dtype != torch.int32:
-        raise ValueError(f"zerodiff.fp8_gemm: tile_expert must be int32, got {tile_expert.dtype}")
+        raise InputError(f"zerodiff.fp8_gemm: tile_expert must be int32, got {tile_expert.dtype}")
     if backend not in (None, "triton", "reference"):
-        raise ValueError(f"zerodiff.fp8_gemm: grouped_fp8_gemm backend={backend!r} unsupported (triton|reference); "
+        raise InputError(f"zerodiff.fp8_gemm: grouped_fp8_gemm backend={backend!r} unsupported (triton|reference); "
                          "DeepGEMM grouped kernels are not verified row- and layout-invariant")
     if out is None:
         out = torch.zeros((M, N), dtype=out_dtype, device=a_q.device)

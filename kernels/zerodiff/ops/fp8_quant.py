@@ -36,7 +36,8 @@ Public API::
 ``[E, N/block, ceil(K/block)]``); blocks never straddle two experts.
 
 Backends: ``None`` (Triton on CUDA, reference on CPU), ``"triton"``, ``"reference"``.
-Bad input (wrong dtype/rank, non-finite-free assumptions aside) raises ``ValueError`` naming the argument.
+Bad input (wrong dtype/rank, non-finite-free assumptions aside) raises ``InputError`` (a ValueError) naming the
+argument.
 NaN inputs are outside the contract.
 """
 
@@ -49,6 +50,7 @@ import torch
 from .. import _triton
 from .._triton import EXACT_CASTS, HAVE_TRITON, LAUNCH_OPTS
 from ..reference import fp8_quant as ref
+from ..errors import InputError
 
 FP8_DTYPE = torch.float8_e4m3fn
 _GROUPS_PER_PROGRAM = 8
@@ -108,10 +110,10 @@ def _pick(backend, t: torch.Tensor) -> str:
 
 def _check_float(name, t, ndim):
     if not isinstance(t, torch.Tensor) or t.dim() not in ndim:
-        raise ValueError(f"zerodiff.fp8_quant: {name} must be a tensor of rank {ndim}, got "
+        raise InputError(f"zerodiff.fp8_quant: {name} must be a tensor of rank {ndim}, got "
                          f"{getattr(t, 'shape', type(t))}")
     if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"zerodiff.fp8_quant: {name} must be bf16/fp16/fp32, got {t.dtype}")
+        raise InputError(f"zerodiff.fp8_quant: {name} must be bf16/fp16/fp32, got {t.dtype}")
 
 
 def quant_act(x: torch.Tensor, *, group: int = 128, ue8m0: bool = False, backend=None, out=None):
@@ -121,7 +123,7 @@ def quant_act(x: torch.Tensor, *, group: int = 128, ue8m0: bool = False, backend
     """
     _check_float("x", x, (2,))
     if group not in (32, 64, 128):
-        raise ValueError(f"zerodiff.fp8_quant: group={group} unsupported (32, 64 or 128)")
+        raise InputError(f"zerodiff.fp8_quant: group={group} unsupported (32, 64 or 128)")
     M, K = x.shape
     G = (K + group - 1) // group
     be = _pick(backend, x)
@@ -140,7 +142,7 @@ def quant_act(x: torch.Tensor, *, group: int = 128, ue8m0: bool = False, backend
     else:
         q, s = out
         if q.shape != (M, K) or q.dtype != FP8_DTYPE or s.shape != (M, G) or s.dtype != torch.float32:
-            raise ValueError("zerodiff.fp8_quant: out=(q, scale) has the wrong shape/dtype")
+            raise InputError("zerodiff.fp8_quant: out=(q, scale) has the wrong shape/dtype")
     if M == 0:
         return q, s
     grid = (M, triton.cdiv(G, _GROUPS_PER_PROGRAM))
@@ -170,7 +172,7 @@ def _weight_shapes(w, block):
         return (N, K), ((N + block - 1) // block, (K + block - 1) // block)
     E, N, K = w.shape
     if N % block:
-        raise ValueError(f"zerodiff.fp8_quant: stacked expert weights need N % {block} == 0, got N={N}")
+        raise InputError(f"zerodiff.fp8_quant: stacked expert weights need N % {block} == 0, got N={N}")
     return (E, N, K), (E, N // block, (K + block - 1) // block)
 
 
@@ -178,7 +180,7 @@ def quant_weight(w: torch.Tensor, *, block: int = 128, ue8m0: bool = False, back
     """128x128 block FP8 quant of a BF16 master weight ``[N, K]`` (or stacked ``[E, N, K]``)."""
     _check_float("w", w, (2, 3))
     if block != 128:
-        raise ValueError(f"zerodiff.fp8_quant: block={block} unsupported (the deployment rule is 128)")
+        raise InputError(f"zerodiff.fp8_quant: block={block} unsupported (the deployment rule is 128)")
     qshape, sshape = _weight_shapes(w, block)
     be = _pick(backend, w)
     if out is None:
@@ -187,10 +189,10 @@ def quant_weight(w: torch.Tensor, *, block: int = 128, ue8m0: bool = False, back
     else:
         q, s = out
         if tuple(q.shape) != qshape or q.dtype != FP8_DTYPE or tuple(s.shape) != sshape or s.dtype != torch.float32:
-            raise ValueError(f"zerodiff.fp8_quant: out=(q, scale) must be e4m3 {qshape} and fp32 {sshape}, got "
+            raise InputError(f"zerodiff.fp8_quant: out=(q, scale) must be e4m3 {qshape} and fp32 {sshape}, got "
                              f"{q.dtype} {tuple(q.shape)} and {s.dtype} {tuple(s.shape)}")
         if not (q.is_contiguous() and s.is_contiguous()):
-            raise ValueError("zerodiff.fp8_quant: out=(q, scale) must be contiguous")
+            raise InputError("zerodiff.fp8_quant: out=(q, scale) must be contiguous")
     if w.numel() == 0:
         return q, s
     if w.dim() == 2:
@@ -219,10 +221,10 @@ class Fp8Weight:
     def requantize_(self, w: torch.Tensor, *, backend=None) -> "Fp8Weight":
         """Requantise from new master weights into the *same* storage (CUDA graphs keep their addresses)."""
         if tuple(w.shape) != tuple(self.q.shape):
-            raise ValueError(f"zerodiff.fp8_quant: requantize_ got master weight {tuple(w.shape)}, "
+            raise InputError(f"zerodiff.fp8_quant: requantize_ got master weight {tuple(w.shape)}, "
                              f"this Fp8Weight holds {tuple(self.q.shape)}")
         if w.device != self.q.device:
-            raise ValueError(f"zerodiff.fp8_quant: requantize_ master on {w.device}, weight on {self.q.device}")
+            raise InputError(f"zerodiff.fp8_quant: requantize_ master on {w.device}, weight on {self.q.device}")
         quant_weight(w, block=self.block, ue8m0=self.ue8m0, backend=backend, out=(self.q, self.scale))
         return self
 

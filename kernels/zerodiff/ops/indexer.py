@@ -35,7 +35,7 @@ Numerical contract:
 * Top-K rule: 64-bit key (order-preserving score bits, position), ties to the larger position, NaN never
   selected (see ``zerodiff.ops.topk``).
 
-Bad input (ValueError naming the argument): dtypes/shapes, slots outside the cache, positions < 0,
+Bad input (``InputError`` naming the argument): dtypes/shapes, slots outside the cache, positions < 0,
 requests longer than the block table, table holes on a needed block, req_ids out of range, width/k
 out of range. The value checks sync with the host (``check=False`` inside CUDA graphs); without them the
 kernel never reads outside the cache: an unresolvable block scores NaN, which Top-K never selects.
@@ -49,6 +49,7 @@ from .. import _triton
 from .._triton import HAVE_TRITON, LAUNCH_OPTS, pick_backend
 from ..reference import indexer as _ref
 from ..reference.fp8_quant import quant_per_token_group_ref
+from ..errors import InputError
 
 BLOCK_S = 64
 index_bytes_per_token = _ref.index_bytes_per_token
@@ -126,15 +127,15 @@ def _pick(backend, device) -> str:
 
 def _check_d(d: int) -> None:
     if d < 16 or d > 256 or (d & (d - 1)):
-        raise ValueError(f"zerodiff.indexer: index key dim d={d} must be a power of two in [16, 256]")
+        raise InputError(f"zerodiff.indexer: index key dim d={d} must be a power of two in [16, 256]")
 
 
 def _check_cache(cache, d=None) -> int:
     if cache.dtype != torch.uint8 or cache.dim() != 3 or not cache.is_contiguous():
-        raise ValueError(f"zerodiff.indexer: cache must be contiguous uint8 [num_blocks, block_size, d + 4], got {cache.dtype} {tuple(cache.shape)}")
+        raise InputError(f"zerodiff.indexer: cache must be contiguous uint8 [num_blocks, block_size, d + 4], got {cache.dtype} {tuple(cache.shape)}")
     dd = cache.shape[2] - 4
     if d is not None and dd != d:
-        raise ValueError(f"zerodiff.indexer: cache holds {dd}-dim keys ({cache.shape[2]} bytes per token) but d={d}")
+        raise InputError(f"zerodiff.indexer: cache holds {dd}-dim keys ({cache.shape[2]} bytes per token) but d={d}")
     _check_d(dd)
     return dd
 
@@ -147,16 +148,16 @@ def new_index_cache(num_blocks: int, block_size: int = 64, *, d: int = 128, devi
 def write_index_cache(k, cache, slot_mapping, *, check: bool = True, backend=None) -> None:
     d = _check_cache(cache)
     if k.dtype != torch.bfloat16 or k.dim() != 2 or k.shape[1] != d:
-        raise ValueError(f"zerodiff.indexer: k must be bf16 [T, {d}], got {k.dtype} {tuple(k.shape)}")
+        raise InputError(f"zerodiff.indexer: k must be bf16 [T, {d}], got {k.dtype} {tuple(k.shape)}")
     T = k.shape[0]
     if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (T,):
-        raise ValueError(f"zerodiff.indexer: slot_mapping must be int64 [{T}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        raise InputError(f"zerodiff.indexer: slot_mapping must be int64 [{T}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     nslots = cache.shape[0] * cache.shape[1]
     if check and T:
         bad = (slot_mapping < -1) | (slot_mapping >= nslots)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"zerodiff.indexer: slot_mapping[{i}]={int(slot_mapping[i])} outside the index cache ({nslots} slots; -1 = skip)")
+            raise InputError(f"zerodiff.indexer: slot_mapping[{i}]={int(slot_mapping[i])} outside the index cache ({nslots} slots; -1 = skip)")
     if T == 0:
         return
     if _pick(backend, cache.device) == "reference":
@@ -170,7 +171,7 @@ def write_index_cache(k, cache, slot_mapping, *, check: bool = True, backend=Non
 def quant_index_q(q: torch.Tensor):
     """bf16 [T, H, d] -> (float8_e4m3fn [T, H, d], fp32 scale [T, H]) by the deployment FP8 rule."""
     if q.dim() != 3:
-        raise ValueError(f"zerodiff.indexer: q must be [T, H, d], got {tuple(q.shape)}")
+        raise InputError(f"zerodiff.indexer: q must be [T, H, d], got {tuple(q.shape)}")
     qq, s = quant_per_token_group_ref(q, q.shape[-1])
     return qq, s[..., 0]
 
@@ -178,38 +179,38 @@ def quant_index_q(q: torch.Tensor):
 def _check_score_args(q_fp8, weights, cache, block_table, req_ids, positions, width, check):
     d = _check_cache(cache)
     if q_fp8.dtype != torch.float8_e4m3fn or q_fp8.dim() != 3 or q_fp8.shape[2] != d:
-        raise ValueError(f"zerodiff.indexer: q_fp8 must be float8_e4m3fn [T, H, {d}], got {q_fp8.dtype} {tuple(q_fp8.shape)}")
+        raise InputError(f"zerodiff.indexer: q_fp8 must be float8_e4m3fn [T, H, {d}], got {q_fp8.dtype} {tuple(q_fp8.shape)}")
     T, H, _ = q_fp8.shape
     if weights.dtype != torch.float32 or tuple(weights.shape) != (T, H):
-        raise ValueError(f"zerodiff.indexer: weights must be fp32 [{T}, {H}], got {weights.dtype} {tuple(weights.shape)}")
+        raise InputError(f"zerodiff.indexer: weights must be fp32 [{T}, {H}], got {weights.dtype} {tuple(weights.shape)}")
     if block_table.dtype != torch.int32 or block_table.dim() != 2:
-        raise ValueError(f"zerodiff.indexer: block_table must be int32 [B, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
+        raise InputError(f"zerodiff.indexer: block_table must be int32 [B, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
     for name, v in (("req_ids", req_ids), ("positions", positions)):
         if v.dtype != torch.int32 or tuple(v.shape) != (T,):
-            raise ValueError(f"zerodiff.indexer: {name} must be int32 [{T}], got {v.dtype} {tuple(v.shape)}")
+            raise InputError(f"zerodiff.indexer: {name} must be int32 [{T}], got {v.dtype} {tuple(v.shape)}")
     if not isinstance(width, int) or width <= 0:
-        raise ValueError(f"zerodiff.indexer: width={width!r} must be a positive int (the model's max length)")
+        raise InputError(f"zerodiff.indexer: width={width!r} must be a positive int (the model's max length)")
     if check and T:
         B, mb = block_table.shape
         nb, bs, _ = cache.shape
         if bool(((req_ids < 0) | (req_ids >= B)).any()):
             i = int(((req_ids < 0) | (req_ids >= B)).nonzero()[0, 0])
-            raise ValueError(f"zerodiff.indexer: req_ids[{i}]={int(req_ids[i])} outside the block table's {B} requests")
+            raise InputError(f"zerodiff.indexer: req_ids[{i}]={int(req_ids[i])} outside the block table's {B} requests")
         if bool((positions < 0).any()):
             i = int((positions < 0).nonzero()[0, 0])
-            raise ValueError(f"zerodiff.indexer: positions[{i}]={int(positions[i])} < 0")
+            raise InputError(f"zerodiff.indexer: positions[{i}]={int(positions[i])} < 0")
         L = (positions.long() + 1).clamp(max=width)
         over = L > mb * bs
         if bool(over.any()):
             i = int(over.nonzero()[0, 0])
-            raise ValueError(f"zerodiff.indexer: row {i} (request {int(req_ids[i])}) needs {int(L[i])} positions but the block table holds {mb} x {bs}: request longer than the table")
+            raise InputError(f"zerodiff.indexer: row {i} (request {int(req_ids[i])}) needs {int(L[i])} positions but the block table holds {mb} x {bs}: request longer than the table")
         nblk = (L + bs - 1) // bs
         need = torch.arange(mb, device=positions.device)[None, :] < nblk[:, None]
         ids = block_table.long()[req_ids.long()]
         hole = need & ((ids < 0) | (ids >= nb))
         if bool(hole.any()):
             i, j = hole.nonzero()[0].tolist()
-            raise ValueError(f"zerodiff.indexer: block table hole: request {int(req_ids[i])} needs block {j} but the table holds {int(ids[i, j])} (valid 0..{nb - 1})")
+            raise InputError(f"zerodiff.indexer: block table hole: request {int(req_ids[i])} needs block {j} but the table holds {int(ids[i, j])} (valid 0..{nb - 1})")
     return d, T, H
 
 
@@ -242,7 +243,7 @@ def _topk():
         from .topk import deterministic_topk
 
         return deterministic_topk
-    except Exception:  # pragma: no cover - teammate's module missing: the reference keeps the contract
+    except Exception:  # pragma: no cover - zerodiff.ops.topk not importable: the reference keeps the contract
         from ..reference.topk import deterministic_topk_ref
 
         return lambda s, k, lengths=None, return_scores=False, backend=None: deterministic_topk_ref(
@@ -259,7 +260,7 @@ def short_context_positions(lengths: torch.Tensor, k: int) -> torch.Tensor:
 def indexer_topk(q_fp8, weights, cache, block_table, req_ids, positions, k: int, width: int, *,
                  shortcut: bool = True, check: bool = True, backend=None) -> torch.Tensor:
     if not isinstance(k, int) or k <= 0:
-        raise ValueError(f"zerodiff.indexer: k={k!r} must be a positive int")
+        raise InputError(f"zerodiff.indexer: k={k!r} must be a positive int")
     which = _pick(backend, cache.device)
     scores = index_scores(q_fp8, weights, cache, block_table, req_ids, positions, width,
                           skip_short_k=k if shortcut else None, check=check, backend=which)

@@ -38,7 +38,7 @@ Public API:
 * ``workspace_indices(positions) -> int32 [R, W]``: index of row r's slot j in ``out.view(R * W, d)``
   (``r * W + j``), -1 where the position is -1; the index list ``sparse_attention`` takes.
 
-Bad input (``ValueError`` naming the argument): wrong dtypes / shapes / layout sizes, slots outside the
+Bad input (``InputError`` naming the argument): wrong dtypes / shapes / layout sizes, slots outside the
 cache, positions < -1, positions past the block table ("request longer than the table"), holes (-1 or
 out-of-range block ids) where a needed block is missing, positions >= ``seq_lens[req]`` when given,
 request ids out of range. Shape/dtype checks are free; the value checks (``check=True``) cost one
@@ -53,6 +53,7 @@ import torch
 from .. import _triton
 from .._triton import HAVE_TRITON, LAUNCH_OPTS, pick_backend
 from ..reference import kv_cache as _ref
+from ..errors import InputError
 
 GROUP = 128
 FP8_MAX = 448.0
@@ -132,21 +133,21 @@ if HAVE_TRITON:
 def _check_dims(d_nope: int, d_rope: int) -> int:
     G = d_nope // GROUP
     if d_nope <= 0 or d_nope % GROUP or (G & (G - 1)):
-        raise ValueError(f"zerodiff.kv_cache: d_nope={d_nope} must be 128 x a power of two")
+        raise InputError(f"zerodiff.kv_cache: d_nope={d_nope} must be 128 x a power of two")
     if d_rope <= 0 or (d_rope & (d_rope - 1)):
-        raise ValueError(f"zerodiff.kv_cache: d_rope={d_rope} must be a power of two")
+        raise InputError(f"zerodiff.kv_cache: d_rope={d_rope} must be a power of two")
     return G
 
 
 def _check_cache(cache: torch.Tensor, d_nope: int, d_rope: int) -> None:
     bpt = bytes_per_token(d_nope, d_rope)
     if cache.dtype != torch.uint8 or cache.dim() != 3 or cache.shape[2] != bpt:
-        raise ValueError(
+        raise InputError(
             f"zerodiff.kv_cache: cache must be uint8 [num_blocks, block_size, {bpt}] for d_nope={d_nope}, "
             f"d_rope={d_rope}; got {cache.dtype} {tuple(cache.shape)}"
         )
     if not cache.is_contiguous():
-        raise ValueError("zerodiff.kv_cache: cache must be contiguous")
+        raise InputError("zerodiff.kv_cache: cache must be contiguous")
 
 
 def _pick(backend, device) -> str:
@@ -156,7 +157,7 @@ def _pick(backend, device) -> str:
 def new_kv_cache(num_blocks: int, block_size: int = 64, *, d_nope: int = 512, d_rope: int = 64, device=None):
     _check_dims(d_nope, d_rope)
     if block_size <= 0:
-        raise ValueError(f"zerodiff.kv_cache: block_size={block_size} must be positive")
+        raise InputError(f"zerodiff.kv_cache: block_size={block_size} must be positive")
     return torch.zeros(num_blocks, block_size, bytes_per_token(d_nope, d_rope), dtype=torch.uint8, device=device)
 
 
@@ -166,17 +167,17 @@ def write_kv_cache(kv_nope, k_rope, cache, slot_mapping, *, d_nope: int = 512, d
     _check_cache(cache, d_nope, d_rope)
     T = kv_nope.shape[0] if kv_nope.dim() == 2 else -1
     if kv_nope.dtype != torch.bfloat16 or kv_nope.dim() != 2 or kv_nope.shape[1] != d_nope:
-        raise ValueError(f"zerodiff.kv_cache: kv_nope must be bf16 [T, {d_nope}], got {kv_nope.dtype} {tuple(kv_nope.shape)}")
+        raise InputError(f"zerodiff.kv_cache: kv_nope must be bf16 [T, {d_nope}], got {kv_nope.dtype} {tuple(kv_nope.shape)}")
     if k_rope.dtype != torch.bfloat16 or tuple(k_rope.shape) != (T, d_rope):
-        raise ValueError(f"zerodiff.kv_cache: k_rope must be bf16 [{T}, {d_rope}], got {k_rope.dtype} {tuple(k_rope.shape)}")
+        raise InputError(f"zerodiff.kv_cache: k_rope must be bf16 [{T}, {d_rope}], got {k_rope.dtype} {tuple(k_rope.shape)}")
     if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (T,):
-        raise ValueError(f"zerodiff.kv_cache: slot_mapping must be int64 [{T}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        raise InputError(f"zerodiff.kv_cache: slot_mapping must be int64 [{T}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
     nslots = cache.shape[0] * cache.shape[1]
     if check and T > 0:
         bad = (slot_mapping < -1) | (slot_mapping >= nslots)
         if bool(bad.any()):
             t = int(bad.nonzero()[0, 0])
-            raise ValueError(
+            raise InputError(
                 f"zerodiff.kv_cache: slot_mapping[{t}]={int(slot_mapping[t])} outside the cache "
                 f"({nslots} slots = {cache.shape[0]} blocks x {cache.shape[1]}; -1 = skip)"
             )
@@ -199,18 +200,18 @@ def _check_gather_values(cache, block_table, req_ids, positions, seq_lens) -> No
     B, max_blocks = block_table.shape
     if req_ids.numel() and bool(((req_ids < 0) | (req_ids >= B)).any()):
         r = int(((req_ids < 0) | (req_ids >= B)).nonzero()[0, 0])
-        raise ValueError(f"zerodiff.kv_cache: req_ids[{r}]={int(req_ids[r])} outside the block table's {B} requests")
+        raise InputError(f"zerodiff.kv_cache: req_ids[{r}]={int(req_ids[r])} outside the block table's {B} requests")
     if positions.numel() == 0:
         return
     pos = positions.long()
     if bool((pos < -1).any()):
         r, j = (pos < -1).nonzero()[0].tolist()
-        raise ValueError(f"zerodiff.kv_cache: positions[{r}, {j}]={int(pos[r, j])} < -1 (-1 is the only empty marker)")
+        raise InputError(f"zerodiff.kv_cache: positions[{r}, {j}]={int(pos[r, j])} < -1 (-1 is the only empty marker)")
     valid = pos >= 0
     over = valid & (pos >= max_blocks * bs)
     if bool(over.any()):
         r, j = over.nonzero()[0].tolist()
-        raise ValueError(
+        raise InputError(
             f"zerodiff.kv_cache: positions[{r}, {j}]={int(pos[r, j])} is past the block table of request "
             f"{int(req_ids[r])} ({max_blocks} blocks x {bs} = {max_blocks * bs} positions): request longer than the table"
         )
@@ -219,7 +220,7 @@ def _check_gather_values(cache, block_table, req_ids, positions, seq_lens) -> No
         beyond = valid & (pos >= lens)
         if bool(beyond.any()):
             r, j = beyond.nonzero()[0].tolist()
-            raise ValueError(
+            raise InputError(
                 f"zerodiff.kv_cache: positions[{r}, {j}]={int(pos[r, j])} >= seq_lens[{int(req_ids[r])}]="
                 f"{int(seq_lens[req_ids[r]])}: out-of-range position"
             )
@@ -227,7 +228,7 @@ def _check_gather_values(cache, block_table, req_ids, positions, seq_lens) -> No
     hole = valid & ((blk < 0) | (blk >= nb))
     if bool(hole.any()):
         r, j = hole.nonzero()[0].tolist()
-        raise ValueError(
+        raise InputError(
             f"zerodiff.kv_cache: block table hole: request {int(req_ids[r])} needs block "
             f"{int(pos[r, j]) // bs} (position {int(pos[r, j])}, positions[{r}, {j}]) but the table holds "
             f"{int(blk[r, j])} (valid ids 0..{nb - 1})"
@@ -239,17 +240,17 @@ def gather_kv(cache, block_table, req_ids, positions, *, seq_lens=None, d_nope: 
     G = _check_dims(d_nope, d_rope)
     _check_cache(cache, d_nope, d_rope)
     if block_table.dtype != torch.int32 or block_table.dim() != 2:
-        raise ValueError(f"zerodiff.kv_cache: block_table must be int32 [B, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
+        raise InputError(f"zerodiff.kv_cache: block_table must be int32 [B, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
     if positions.dtype != torch.int32 or positions.dim() != 2:
-        raise ValueError(f"zerodiff.kv_cache: positions must be int32 [R, W], got {positions.dtype} {tuple(positions.shape)}")
+        raise InputError(f"zerodiff.kv_cache: positions must be int32 [R, W], got {positions.dtype} {tuple(positions.shape)}")
     R, W = positions.shape
     if req_ids.dtype != torch.int32 or tuple(req_ids.shape) != (R,):
-        raise ValueError(f"zerodiff.kv_cache: req_ids must be int32 [{R}], got {req_ids.dtype} {tuple(req_ids.shape)}")
+        raise InputError(f"zerodiff.kv_cache: req_ids must be int32 [{R}], got {req_ids.dtype} {tuple(req_ids.shape)}")
     if seq_lens is not None and (seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]):
-        raise ValueError(f"zerodiff.kv_cache: seq_lens must be [{block_table.shape[0]}], got {tuple(seq_lens.shape)}")
+        raise InputError(f"zerodiff.kv_cache: seq_lens must be [{block_table.shape[0]}], got {tuple(seq_lens.shape)}")
     D = d_nope + d_rope
     if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (R, W, D) or not out.is_contiguous()):
-        raise ValueError(f"zerodiff.kv_cache: out must be contiguous bf16 [{R}, {W}, {D}], got {out.dtype} {tuple(out.shape)}")
+        raise InputError(f"zerodiff.kv_cache: out must be contiguous bf16 [{R}, {W}, {D}], got {out.dtype} {tuple(out.shape)}")
     if check:
         _check_gather_values(cache, block_table, req_ids, positions, seq_lens)
     if _pick(backend, cache.device) == "reference":

@@ -5,8 +5,8 @@ Public API::
     token_logprobs(logits, token_ids, *, temperature=1.0, backend=None, check_ids=True) -> fp32 [T]
 
 ``logits`` BF16 or FP32 ``[T, V]`` (last dim contiguous, any row stride), ``token_ids`` int64 ``[T]``,
-``temperature`` a positive Python float, or an FP32 tensor ``[T]`` of per-row temperatures (addition to
-the team API, for batches that mix sampling temperatures). ``check_ids`` (addition): validate the ids
+``temperature`` a positive Python float, or an FP32 tensor ``[T]`` of per-row temperatures (for batches
+that mix sampling temperatures). ``check_ids``: validate the ids
 on the host (one device sync); skipped automatically while a CUDA graph is being captured.
 
 Numerical contract (full statement and references in :mod:`zerodiff.reference.logprobs`):
@@ -34,6 +34,7 @@ import torch
 
 from .. import _triton as zt
 from ..reference.logprobs import CHUNK, token_logprobs_ref
+from ..errors import InputError
 
 __all__ = ["token_logprobs", "CHUNK"]
 
@@ -61,7 +62,7 @@ if zt.HAVE_TRITON:
         Each level is a row sum of ``a`` viewed ``[n/2, 2]``: one FP32 addition per pair, so the same bits as
         ``lo + hi`` of a ``tl.split`` (IEEE addition is commutative). Written this way because Triton 3.6 took
         ~26 s on the H200's host (371 s on a 2-core CPU) to compile the 13 ``tl.split`` levels of an
-        8192-lane tree, and under 1 s for this form (2026-11-30)."""
+        8192-lane tree, and under 1 s for this form (docs/verification.md)."""
         for _ in tl.static_range(LOG2P):
             a = tl.sum(tl.reshape(a, [a.shape[0] // 2, 2]), axis=1)
         return tl.sum(a, axis=0)  # one element left: exact
@@ -119,47 +120,47 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, temperature
     name = "token_logprobs"
     if not isinstance(logits, torch.Tensor) or logits.dtype not in (torch.bfloat16, torch.float32) \
             or logits.dim() != 2:
-        raise TypeError(f"{name}: logits must be a bfloat16 or float32 tensor [T, V], got "
+        raise InputError(f"{name}: logits must be a bfloat16 or float32 tensor [T, V], got "
                         f"{getattr(logits, 'dtype', type(logits))} {tuple(getattr(logits, 'shape', ()))}")
     T, V = logits.shape
     if V < 1:
-        raise ValueError(f"{name}: empty vocabulary (V=0)")
+        raise InputError(f"{name}: empty vocabulary (V=0)")
     if V > 1 and logits.stride(1) != 1:
-        raise ValueError(f"{name}: the vocabulary dim of logits must be contiguous (stride 1), "
+        raise InputError(f"{name}: the vocabulary dim of logits must be contiguous (stride 1), "
                          f"got stride {logits.stride(1)}")
     if not isinstance(token_ids, torch.Tensor) or token_ids.dtype != torch.int64 \
             or tuple(token_ids.shape) != (T,):
-        raise ValueError(f"{name}: token_ids must be int64 of shape [{T}], got "
+        raise InputError(f"{name}: token_ids must be int64 of shape [{T}], got "
                          f"{getattr(token_ids, 'dtype', type(token_ids))} "
                          f"{tuple(getattr(token_ids, 'shape', ()))}")
     if token_ids.device != logits.device:
-        raise ValueError(f"{name}: token_ids is on {token_ids.device} but logits is on {logits.device}")
+        raise InputError(f"{name}: token_ids is on {token_ids.device} but logits is on {logits.device}")
     temp_tensor = isinstance(temperature, torch.Tensor)
     if temp_tensor:
         if temperature.dtype != torch.float32 or tuple(temperature.shape) != (T,) \
                 or temperature.device != logits.device:
-            raise ValueError(f"{name}: a temperature tensor must be float32 [{T}] on {logits.device}, got "
+            raise InputError(f"{name}: a temperature tensor must be float32 [{T}] on {logits.device}, got "
                              f"{temperature.dtype} {tuple(temperature.shape)} on {temperature.device}")
     else:
         tv = float(temperature)
         if not (math.isfinite(tv) and tv > 0):
-            raise ValueError(f"{name}: temperature must be a positive finite number, got {temperature!r}")
+            raise InputError(f"{name}: temperature must be a positive finite number, got {temperature!r}")
     if check_ids and T and not _capturing(logits):
         lo, hi = torch.stack(torch.aminmax(token_ids)).tolist()  # one small kernel, one sync
         if lo < 0 or hi >= V:
             i = int(((token_ids < 0) | (token_ids >= V)).nonzero()[0, 0])
-            raise ValueError(f"{name}: token_ids[{i}] = {int(token_ids[i])} is outside [0, V={V})")
+            raise InputError(f"{name}: token_ids[{i}] = {int(token_ids[i])} is outside [0, V={V})")
         if temp_tensor:
             tb = ~(torch.isfinite(temperature) & (temperature > 0))
             if bool(tb.any()):
                 i = int(tb.nonzero()[0, 0])
-                raise ValueError(f"{name}: temperature[{i}] = {float(temperature[i])} is not positive finite")
+                raise InputError(f"{name}: temperature[{i}] = {float(temperature[i])} is not positive finite")
     if backend is None:
         backend = "triton" if (logits.is_cuda and zt.triton_usable_for(logits.device)) else "reference"
     if backend == "reference":
         return token_logprobs_ref(logits, token_ids, temperature)
     if backend != "triton":
-        raise ValueError(f"{name}: unknown backend {backend!r} (use None, 'triton' or 'reference')")
+        raise InputError(f"{name}: unknown backend {backend!r} (use None, 'triton' or 'reference')")
     zt.require_triton()
     if not zt.triton_usable_for(logits.device):
         raise RuntimeError(f"{name}: backend='triton' cannot run on {logits.device} here "

@@ -64,7 +64,7 @@ Bitwise equal to ``reference.mhc.mhc_post_ref(..., dtype=torch.float32)`` on any
 
 Failure modes
 -------------
-Bad input raises ``ValueError`` naming the argument: wrong dtype / rank / shape, ``hc_mult`` not in
+Bad input raises ``InputError`` (a ValueError) naming the argument: wrong dtype / rank / shape, ``hc_mult`` not in
 (1, 2, 4) for pre / head (not a power of two <= 8 for post), tensors on different devices,
 ``sinkhorn_iters < 1``, an unknown backend. ``backend="triton"`` where Triton cannot run (not installed,
 or CPU tensors without ``TRITON_INTERPRET=1``) raises ``RuntimeError``. Non-finite inputs are not
@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import torch
 
+from zerodiff.errors import InputError
 from zerodiff import _triton as zt
 from zerodiff.reference import mhc as ref
 
@@ -332,8 +333,8 @@ if zt.HAVE_TRITON:
 # ------------------------------------------------------------------------------------- validation
 
 
-def _err(msg: str) -> ValueError:
-    return ValueError(f"zerodiff.mhc: {msg}")
+def _err(msg: str) -> InputError:
+    return InputError(f"zerodiff.mhc: {msg}")
 
 
 def _check_pre(residual, fn, hc_scale, hc_base, sinkhorn_iters, head=False):

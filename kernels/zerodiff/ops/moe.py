@@ -53,7 +53,7 @@ padding. Slots with ``ids == -1`` (Top-K padding) contribute nothing (their row 
 weight is replaced by 0). Expert ids must be unique within a token (a property of the Top-K; checked when
 ``validate=True``).
 
-Layouts (seed 4.4):
+Layouts:
 
 * ``"contiguous"`` (training): rows packed by expert in ascending expert order, inside an expert in
   (token, slot) order; each expert's segment padded to a multiple of :data:`ALIGN` with zero rows. The
@@ -61,7 +61,7 @@ Layouts (seed 4.4):
   segment are skipped.
 * ``"masked"`` (rollout, DeepEP low-latency style): ``[E, capacity, H]`` with per-expert ``counts``; a
   static ``capacity`` (rounded up internally to a multiple of ALIGN). Overflow (an expert receiving more than
-  ``capacity`` rows) raises ``ValueError`` naming the capacity; the check needs a host sync and is skipped
+  ``capacity`` rows) raises ``InputError`` naming the capacity; the check needs a host sync and is skipped
   when ``capacity >= T`` (overflow impossible: a token reaches an expert at most once), which is the
   CUDA-graph-safe setting.
 
@@ -84,6 +84,7 @@ from .. import _triton
 from .._triton import HAVE_TRITON, LAUNCH_OPTS
 from . import fp8_gemm as _g
 from .fp8_quant import Fp8Weight, quant_act
+from ..errors import InputError
 
 ALIGN = _g.BLOCK_M
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -134,10 +135,10 @@ def _use_triton(backend, t: torch.Tensor, name: str) -> bool:
     if backend is None:
         return t.is_cuda and _triton.triton_usable_for(t.device)
     if backend == "deepgemm":
-        raise ValueError(f"zerodiff.moe.{name}: backend='deepgemm' refused: DeepGEMM's grouped FP8 kernels are "
+        raise InputError(f"zerodiff.moe.{name}: backend='deepgemm' refused: DeepGEMM's grouped FP8 kernels are "
                          "not verified row- and layout-invariant; use 'triton' on both RL sides")
     if backend not in ("triton", "reference"):
-        raise ValueError(f"zerodiff.moe.{name}: unknown backend={backend!r} (None, 'triton' or 'reference')")
+        raise InputError(f"zerodiff.moe.{name}: unknown backend={backend!r} (None, 'triton' or 'reference')")
     if backend == "triton":
         _triton.require_triton()
         if not _triton.triton_usable_for(t.device):
@@ -164,9 +165,9 @@ def _scores_ref(logits: torch.Tensor, scoring: str) -> torch.Tensor:
 def routing_scores(logits: torch.Tensor, scoring: str = "softmax", *, backend=None) -> torch.Tensor:
     """FP32 scores [T, E] from router logits, one row per program (see module contract)."""
     if scoring not in _SCORING:
-        raise ValueError(f"zerodiff.moe.route: scoring={scoring!r} unknown (softmax|sigmoid|sqrtsoftplus)")
+        raise InputError(f"zerodiff.moe.route: scoring={scoring!r} unknown (softmax|sigmoid|sqrtsoftplus)")
     if logits.dim() != 2 or logits.dtype != torch.float32:
-        raise ValueError(f"zerodiff.moe.route: logits must be fp32 [T, E], got {logits.dtype} {tuple(logits.shape)}")
+        raise InputError(f"zerodiff.moe.route: logits must be fp32 [T, E], got {logits.dtype} {tuple(logits.shape)}")
     if not _use_triton(backend, logits, "route"):
         return _scores_ref(logits, scoring)
     T, E = logits.shape
@@ -186,11 +187,11 @@ def route(logits: torch.Tensor, k: int, *, scoring: str = "softmax", bias=None, 
     scores = routing_scores(logits, scoring, backend=backend)
     T, E = scores.shape
     if not isinstance(k, int) or not 1 <= k <= E:
-        raise ValueError(f"zerodiff.moe.route: k={k!r} must be an int in [1, E={E}]")
+        raise InputError(f"zerodiff.moe.route: k={k!r} must be an int in [1, E={E}]")
     sel = scores
     if bias is not None:
         if bias.shape != (E,) or bias.dtype != torch.float32:
-            raise ValueError(f"zerodiff.moe.route: bias must be fp32 [{E}], got {bias.dtype} {tuple(bias.shape)}")
+            raise InputError(f"zerodiff.moe.route: bias must be fp32 [{E}], got {bias.dtype} {tuple(bias.shape)}")
         sel = scores + bias[None, :]
     tk_backend = "reference" if backend == "reference" else backend
     ids = deterministic_topk(sel, k, backend=tk_backend)
@@ -219,7 +220,7 @@ def route_hashed(logits: torch.Tensor, ids: torch.Tensor, *, scoring: str = "sqr
     fp32 ``routed_scale``. No bias (the table replaces the selection)."""
     scores = routing_scores(logits, scoring, backend=backend)
     if ids.dim() != 2 or ids.shape[0] != scores.shape[0]:
-        raise ValueError(f"zerodiff.moe.route_hashed: ids must be [T={scores.shape[0]}, k], got {tuple(ids.shape)}")
+        raise InputError(f"zerodiff.moe.route_hashed: ids must be [T={scores.shape[0]}, k], got {tuple(ids.shape)}")
     return _slot_weights(scores, ids, renormalize, routed_scale)
 
 
@@ -237,13 +238,13 @@ class MoEWeights:
         if isinstance(self.w2, (list, tuple)):
             self.w2 = _stack(self.w2, "w2")
         if self.w13.q.dim() != 3 or self.w2.q.dim() != 3:
-            raise ValueError("zerodiff.moe: MoEWeights needs stacked [E, N, K] Fp8Weights (or lists of 2-D ones)")
+            raise InputError("zerodiff.moe: MoEWeights needs stacked [E, N, K] Fp8Weights (or lists of 2-D ones)")
         E, I2, H = self.w13.q.shape
         if tuple(self.w2.q.shape) != (E, H, I2 // 2) or I2 % 2:
-            raise ValueError(f"zerodiff.moe: w13 {tuple(self.w13.q.shape)} and w2 {tuple(self.w2.q.shape)} "
+            raise InputError(f"zerodiff.moe: w13 {tuple(self.w13.q.shape)} and w2 {tuple(self.w2.q.shape)} "
                              "do not match ([E, 2I, H] and [E, H, I])")
         if self.w13.ue8m0 != self.w2.ue8m0:
-            raise ValueError("zerodiff.moe: w13 and w2 use different scale variants (ue8m0)")
+            raise InputError("zerodiff.moe: w13 and w2 use different scale variants (ue8m0)")
 
     @classmethod
     def from_master(cls, w13: torch.Tensor, w2: torch.Tensor, *, ue8m0: bool = False, backend=None):
@@ -270,7 +271,7 @@ class MoEWeights:
 
 def _stack(ws, name):
     if not ws or any(w.q.dim() != 2 for w in ws):
-        raise ValueError(f"zerodiff.moe: {name} list must hold 2-D Fp8Weights")
+        raise InputError(f"zerodiff.moe: {name} list must hold 2-D Fp8Weights")
     return Fp8Weight(torch.stack([w.q for w in ws]), torch.stack([w.scale for w in ws]), ws[0].ue8m0)
 
 
@@ -297,9 +298,9 @@ def plan_dispatch(ids: torch.Tensor, num_experts: int, *, layout: str = "contigu
     """Where each (token, slot) row goes in the packed buffer. Device ops only (no host sync) except the
     masked-layout overflow check when ``capacity < T`` and ``validate=True`` checks."""
     if align % ALIGN:
-        raise ValueError(f"zerodiff.moe: align={align} must be a multiple of ALIGN={ALIGN}")
+        raise InputError(f"zerodiff.moe: align={align} must be a multiple of ALIGN={ALIGN}")
     if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"zerodiff.moe: ids must be int32 [T, k], got {ids.dtype} {tuple(ids.shape)}")
+        raise InputError(f"zerodiff.moe: ids must be int32 [T, k], got {ids.dtype} {tuple(ids.shape)}")
     T, k = ids.shape
     E = int(num_experts)
     dev = ids.device
@@ -307,12 +308,12 @@ def plan_dispatch(ids: torch.Tensor, num_experts: int, *, layout: str = "contigu
     valid = flat >= 0
     if validate:
         if bool((flat >= E).any()):
-            raise ValueError(f"zerodiff.moe: ids contain expert ids >= num_experts={E}")
+            raise InputError(f"zerodiff.moe: ids contain expert ids >= num_experts={E}")
         if bool((flat < -1).any()):
-            raise ValueError("zerodiff.moe: ids contain values < -1")
+            raise InputError("zerodiff.moe: ids contain values < -1")
         s = torch.sort(ids.to(torch.int64), dim=1).values
         if bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()):
-            raise ValueError("zerodiff.moe: a token is routed to the same expert twice (ids not unique per row)")
+            raise InputError("zerodiff.moe: a token is routed to the same expert twice (ids not unique per row)")
     key = torch.where(valid, flat, torch.full_like(flat, E))
     order = torch.argsort(key, stable=True)
     # scatter_add, not bincount: bincount syncs with the host on CUDA (breaks graph capture)
@@ -336,13 +337,13 @@ def plan_dispatch(ids: torch.Tensor, num_experts: int, *, layout: str = "contigu
         cap_pad = 0
     elif layout == "masked":
         if capacity is None or int(capacity) < 1:
-            raise ValueError(f"zerodiff.moe: layout='masked' needs a static capacity >= 1, got capacity={capacity!r}")
+            raise InputError(f"zerodiff.moe: layout='masked' needs a static capacity >= 1, got capacity={capacity!r}")
         capacity = int(capacity)
         if capacity < T:
             cmax = int(counts.max()) if E else 0
             if cmax > capacity:
                 e_bad = int(torch.argmax(counts))
-                raise ValueError(f"zerodiff.moe: masked layout overflow: expert {e_bad} receives {cmax} rows but "
+                raise InputError(f"zerodiff.moe: masked layout overflow: expert {e_bad} receives {cmax} rows but "
                                  f"capacity={capacity}; raise capacity (capacity >= T={T} can never overflow)")
         cap_pad = (capacity + align - 1) // align * align
         rows = E * cap_pad
@@ -353,7 +354,7 @@ def plan_dispatch(ids: torch.Tensor, num_experts: int, *, layout: str = "contigu
         local = (ti % tpe) * ALIGN
         tile_expert = torch.where(local < counts[e_of], e_of, torch.full_like(e_of, -1)).to(torch.int32)
     else:
-        raise ValueError(f"zerodiff.moe: layout={layout!r} unknown (use 'contiguous' or 'masked')")
+        raise InputError(f"zerodiff.moe: layout={layout!r} unknown (use 'contiguous' or 'masked')")
     dest = torch.where(valid, dest, torch.full_like(dest, rows)).reshape(T, k)
     return DispatchPlan(layout, dest, counts.to(torch.int32), tile_expert, rows, rows, cap_pad, align)
 
@@ -407,14 +408,14 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
                 validate: bool = False, act_backend=None) -> torch.Tensor:
     """Routed experts, combined per token in FP32 in slot order -> fp32 [T, H] (see module contract)."""
     if x.dim() != 2 or x.dtype != torch.bfloat16:
-        raise ValueError(f"zerodiff.moe: x must be bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
+        raise InputError(f"zerodiff.moe: x must be bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
     if not isinstance(experts, MoEWeights):
-        raise ValueError("zerodiff.moe: experts must be a MoEWeights")
+        raise InputError("zerodiff.moe: experts must be a MoEWeights")
     T, H = x.shape
     if H != experts.hidden:
-        raise ValueError(f"zerodiff.moe: x has H={H}, experts have H={experts.hidden}")
+        raise InputError(f"zerodiff.moe: x has H={H}, experts have H={experts.hidden}")
     if weights.shape != ids.shape or weights.dtype != torch.float32 or ids.shape[0] != T:
-        raise ValueError(f"zerodiff.moe: weights must be fp32 with the shape of ids [T={T}, k], got "
+        raise InputError(f"zerodiff.moe: weights must be fp32 with the shape of ids [T={T}, k], got "
                          f"{weights.dtype} {tuple(weights.shape)} and ids {tuple(ids.shape)}")
     if backend == "deepgemm":
         return _moe_experts_deepgemm(x, weights, ids, experts, layout, capacity, clamp_limit, validate)
@@ -438,7 +439,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     h = torch.empty((plan.rows, 2 * experts.inter), dtype=torch.bfloat16, device=dev)
     _g.grouped_fp8_gemm(a_q, a_s, experts.w13.q, experts.w13.scale, plan.tile_expert, backend=gbe, out=h)
     if act_backend not in (None, "triton", "reference"):
-        raise ValueError(f"zerodiff.moe: act_backend={act_backend!r} (None, 'triton' or 'reference')")
+        raise InputError(f"zerodiff.moe: act_backend={act_backend!r} (None, 'triton' or 'reference')")
     hq, hs = _act(h, plan, clamp_limit, ue8m0, act_backend or gbe)
     y = torch.empty((plan.rows + 1, H), dtype=torch.bfloat16, device=dev)
     y[plan.rows].zero_()  # the dump row read by padding slots (ids == -1)

@@ -19,7 +19,7 @@ Numerical contract (bit-exact reference: :func:`zerodiff.reference.rmsnorm.rms_n
   bit. The CPU reference :func:`zerodiff.reference.rmsnorm.rms_norm_ref` uses a pairwise tree for ``ss``:
   the kernel's tree differs, so kernel and reference agree to 1 bf16 ulp (tested), not bit for bit.
   (An earlier version reproduced the pairwise tree level by level in Triton: bit-exact against the CPU
-  but 60-340x slower than ``F.rms_norm`` on the H200, 2026-11-30.)
+  but 60-340x slower than ``F.rms_norm`` on the H200.)
 
 Bad inputs raise with the argument named: non-BF16 ``x``/``residual``, weight dtype/shape, residual
 shape, non-contiguous last dim, ``H`` above 65536, non-finite or negative ``eps``, unknown backend.
@@ -33,6 +33,7 @@ import torch
 
 from .. import _triton as zt
 from ..reference.rmsnorm import rms_norm_ref
+from ..errors import InputError
 
 __all__ = ["rms_norm"]
 
@@ -89,34 +90,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
     """RMSNorm of BF16 rows (see the module docstring). Returns ``y`` or ``(y, new_residual)``."""
     name = "rms_norm"
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() < 1:
-        raise TypeError(f"{name}: x must be a bfloat16 tensor [..., H], got "
+        raise InputError(f"{name}: x must be a bfloat16 tensor [..., H], got "
                         f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
     H = x.shape[-1]
     if H < 1 or H > MAX_H:
-        raise ValueError(f"{name}: hidden size H={H} must be in [1, {MAX_H}]")
+        raise InputError(f"{name}: hidden size H={H} must be in [1, {MAX_H}]")
     if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.bfloat16, torch.float32) \
             or tuple(weight.shape) != (H,):
-        raise ValueError(f"{name}: weight must be bfloat16 or float32 of shape [{H}], got "
+        raise InputError(f"{name}: weight must be bfloat16 or float32 of shape [{H}], got "
                          f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
     if weight.device != x.device:
-        raise ValueError(f"{name}: weight is on {weight.device} but x is on {x.device}")
+        raise InputError(f"{name}: weight is on {weight.device} but x is on {x.device}")
     eps = float(eps)
     if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"{name}: eps must be a finite non-negative number, got {eps!r}")
+        raise InputError(f"{name}: eps must be a finite non-negative number, got {eps!r}")
     if residual is not None:
         if not isinstance(residual, torch.Tensor) or residual.dtype != torch.bfloat16 \
                 or residual.shape != x.shape:
-            raise ValueError(f"{name}: residual must be bfloat16 with x's shape {tuple(x.shape)}, got "
+            raise InputError(f"{name}: residual must be bfloat16 with x's shape {tuple(x.shape)}, got "
                              f"{getattr(residual, 'dtype', type(residual))} "
                              f"{tuple(getattr(residual, 'shape', ()))}")
         if residual.device != x.device:
-            raise ValueError(f"{name}: residual is on {residual.device} but x is on {x.device}")
+            raise InputError(f"{name}: residual is on {residual.device} but x is on {x.device}")
     if backend is None:
         backend = "triton" if (x.is_cuda and zt.triton_usable_for(x.device)) else "reference"
     if backend == "reference":
         return rms_norm_ref(x, weight, eps, residual)
     if backend != "triton":
-        raise ValueError(f"{name}: unknown backend {backend!r} (use None, 'triton' or 'reference')")
+        raise InputError(f"{name}: unknown backend {backend!r} (use None, 'triton' or 'reference')")
     zt.require_triton()
     if not zt.triton_usable_for(x.device):
         raise RuntimeError(f"{name}: backend='triton' cannot run on {x.device} here "

@@ -30,7 +30,7 @@ Numerical contract (the reference is :mod:`zerodiff.reference.silu_mul_quant`):
   to the same row in the contiguous layout. Masked rows ``c >= counts[e]`` are never read and come back
   as zero codes and zero scales; negative counts mean no valid rows, counts above C mean all rows.
 
-Bad inputs raise ``TypeError``/``ValueError`` naming the argument: non-BF16 ``x``, odd last dim,
+Bad inputs raise ``InputError`` (a TypeError and a ValueError) naming the argument: non-BF16 ``x``, odd last dim,
 non-contiguous last dim, ``N`` not a multiple of ``group``, ``group`` not a power of two in [16, 1024],
 non-positive or non-finite ``clamp_limit``, ``counts`` not int32 ``[E]`` on ``x``'s device.
 """
@@ -42,6 +42,7 @@ import math
 import torch
 
 from .. import _triton as zt
+from ..errors import InputError
 from ..reference.silu_mul_quant import (
     silu_mul_quant_fp8_masked_ref,
     silu_mul_quant_fp8_ref,
@@ -124,23 +125,23 @@ def _config(N: int, group: int) -> tuple[int, int]:
 
 def _check_x(x: torch.Tensor, ndim: int, name: str) -> int:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name}: x must be a torch.Tensor")
+        raise InputError(f"{name}: x must be a torch.Tensor")
     if x.dtype != torch.bfloat16:
-        raise TypeError(f"{name}: x must be bfloat16 (gate | up), got {x.dtype}")
+        raise InputError(f"{name}: x must be bfloat16 (gate | up), got {x.dtype}")
     if x.dim() != ndim:
-        raise ValueError(f"{name}: x must have {ndim} dims, got shape {tuple(x.shape)}")
+        raise InputError(f"{name}: x must have {ndim} dims, got shape {tuple(x.shape)}")
     if x.shape[-1] % 2 or x.shape[-1] == 0:
-        raise ValueError(f"{name}: last dim of x must be even and > 0 (gate | up), got {x.shape[-1]}")
+        raise InputError(f"{name}: last dim of x must be even and > 0 (gate | up), got {x.shape[-1]}")
     if x.stride(-1) != 1 and x.shape[-1] > 1:
-        raise ValueError(f"{name}: the last dim of x must be contiguous (stride 1), got stride {x.stride(-1)}")
+        raise InputError(f"{name}: the last dim of x must be contiguous (stride 1), got stride {x.stride(-1)}")
     return x.shape[-1] // 2
 
 
 def _check_group(N: int, group: int, name: str) -> None:
     if not isinstance(group, int) or group < 16 or group > 1024 or group & (group - 1):
-        raise ValueError(f"{name}: group must be a power of two in [16, 1024], got {group!r}")
+        raise InputError(f"{name}: group must be a power of two in [16, 1024], got {group!r}")
     if N % group:
-        raise ValueError(f"{name}: N={N} (half the last dim of x) must be a multiple of group={group}")
+        raise InputError(f"{name}: N={N} (half the last dim of x) must be a multiple of group={group}")
 
 
 def _check_limit(clamp_limit, name: str) -> None:
@@ -148,7 +149,7 @@ def _check_limit(clamp_limit, name: str) -> None:
         return
     v = float(clamp_limit)
     if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"{name}: clamp_limit must be a positive finite number or None, got {clamp_limit!r}")
+        raise InputError(f"{name}: clamp_limit must be a positive finite number or None, got {clamp_limit!r}")
 
 
 def _backend(x: torch.Tensor, backend: str | None, name: str) -> str:
@@ -211,10 +212,10 @@ def silu_mul_quant_fp8_masked(x: torch.Tensor, counts: torch.Tensor, *, group: i
     _check_limit(clamp_limit, name)
     if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int32 or counts.dim() != 1 \
             or counts.shape[0] != x.shape[0]:
-        raise ValueError(f"{name}: counts must be an int32 tensor of shape [E]={x.shape[0]}, got "
+        raise InputError(f"{name}: counts must be an int32 tensor of shape [E]={x.shape[0]}, got "
                          f"{getattr(counts, 'dtype', type(counts))} {tuple(getattr(counts, 'shape', ()))}")
     if counts.device != x.device:
-        raise ValueError(f"{name}: counts is on {counts.device} but x is on {x.device}")
+        raise InputError(f"{name}: counts is on {counts.device} but x is on {x.device}")
     if _backend(x, backend, name) == "reference":
         return silu_mul_quant_fp8_masked_ref(x, counts, group, clamp_limit, ue8m0)
     E, C, _ = x.shape

@@ -55,11 +55,11 @@ through Triton's interpreter: small shapes only); ``"reference"``. The Triton de
 module constant ``VARIANT`` (environment ``ZD_TOPK_VARIANT``, read at every call); both designs give
 identical positions, so the choice is about speed only.
 
-Failure modes: bad input raises ValueError naming the problem (see the reference). Dtype/shape/k are always
-checked on the host (no sync). ``lengths`` VALUES (0 <= L <= W) are checked for CPU tensors, and for CUDA
+Failure modes: bad input raises ``InputError`` (a ValueError) naming the problem (see the reference).
+Dtype/shape/k are always checked on the host (no sync). ``lengths`` VALUES (0 <= L <= W) are checked for CPU tensors, and for CUDA
 tensors only with ``check_lengths=True`` (a device sync; refused during CUDA-graph capture); the kernel
 clamps every length to ``[0, W]`` in any case, so a bad value can never read out of bounds. An unknown
-``VARIANT`` fails closed with a ValueError. Speed, not bits: in the split design, rows whose scores
+``VARIANT`` fails closed with an InputError. Speed, not bits: in the split design, rows whose scores
 concentrate in one 16-bit key prefix (plateaus, heavy quantisation) keep a long list that the one
 finishing program per row works through alone.
 """
@@ -73,6 +73,7 @@ import torch
 
 from .. import _triton as zt
 from ..reference.topk import check_inputs, deterministic_topk_ref
+from ..errors import InputError
 
 __all__ = ["deterministic_topk", "topk_routing"]
 
@@ -440,7 +441,7 @@ def _split_config(W: int) -> dict:
 
 def _check_variant(variant) -> str:
     if variant not in VARIANTS:
-        raise ValueError(f"deterministic_topk: unknown Top-K variant {variant!r} "
+        raise InputError(f"deterministic_topk: unknown Top-K variant {variant!r} "
                          f"(zerodiff.ops.topk.VARIANT / ZD_TOPK_VARIANT must be one of {VARIANTS})")
     return variant
 
@@ -451,9 +452,9 @@ def _topk_split(scores, k, lengths, out, osc, return_scores, hmask, cfg):
     SW, D0, LV, D, CH = cfg["SW"], cfg["D0"], cfg["LV"], cfg["D"], cfg["CH"]
     for name, v in (("SW", SW), ("CH", CH)):
         if v < 16 or v & (v - 1):
-            raise ValueError(f"deterministic_topk: split {name}={v} must be a power of two >= 16")
+            raise InputError(f"deterministic_topk: split {name}={v} must be a power of two >= 16")
     if not (1 <= D0 <= 12 and 1 <= LV and D0 * LV <= 32 and 1 <= D <= 12 and (32 - D0 * LV) % D == 0):
-        raise ValueError(f"deterministic_topk: split digits D0={D0}, LV={LV}, D={D}: need D0, D in [1, 12], "
+        raise InputError(f"deterministic_topk: split digits D0={D0}, LV={LV}, D={D}: need D0, D in [1, 12], "
                          f"D0*LV <= 32 and 32 - D0*LV to be a multiple of D")
     # no replicated lanes in a histogram: at most one warp per 32 elements of a slice / chunk
     w1, w2 = (max(1, min(cfg[key], SW // 32)) for key in ("W1", "W2"))
@@ -529,7 +530,7 @@ def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist
         if split:
             unknown = set(split) - set(cfg)
             if unknown:
-                raise ValueError(f"deterministic_topk: unknown split config keys {sorted(unknown)}")
+                raise InputError(f"deterministic_topk: unknown split config keys {sorted(unknown)}")
             cfg.update(split)
         hmask = _HIST_MASK if hist_mask is None else (hist_mask and _HIST_MASK)
         _topk_split(scores, k, lengths, out, osc, return_scores, hmask, cfg)
@@ -539,12 +540,12 @@ def _topk_triton(scores, k, lengths, return_scores, chunk=None, digit=None, hist
         # both digit widths / histogram variants are checked against the reference
         if chunk is not None:
             if chunk < 16 or chunk & (chunk - 1):
-                raise ValueError(f"deterministic_topk: chunk={chunk} must be a power of two >= 16")
+                raise InputError(f"deterministic_topk: chunk={chunk} must be a power of two >= 16")
             CHUNK = chunk
             warps = max(1, min(warps, CHUNK // 32))  # no replicated lanes in the histogram
         if digit is not None:
             if digit not in (8, 11):
-                raise ValueError(f"deterministic_topk: digit={digit} must be 8 or 11")
+                raise InputError(f"deterministic_topk: digit={digit} must be 8 or 11")
             DIGIT = digit
         if num_warps is not None:  # benchmark sweeps only; production picks it from W in _config
             warps = num_warps
@@ -572,7 +573,7 @@ def deterministic_topk(scores: torch.Tensor, k: int, lengths: torch.Tensor | Non
     if check_lengths is None:
         check_lengths = not scores.is_cuda
     if check_lengths and scores.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise ValueError("deterministic_topk: check_lengths=True needs a host sync, not allowed while "
+        raise InputError("deterministic_topk: check_lengths=True needs a host sync, not allowed while "
                          "capturing a CUDA graph")
     check_inputs(scores, k, lengths, check_values=check_lengths)
     if backend is None:
@@ -581,7 +582,7 @@ def deterministic_topk(scores: torch.Tensor, k: int, lengths: torch.Tensor | Non
         return deterministic_topk_ref(scores, k, lengths, return_scores=return_scores)
     if backend == "triton":
         return _topk_triton(scores, k, lengths, return_scores)
-    raise ValueError(f"deterministic_topk: unknown backend {backend!r} (use None, 'triton' or 'reference')")
+    raise InputError(f"deterministic_topk: unknown backend {backend!r} (use None, 'triton' or 'reference')")
 
 
 def topk_routing(scores: torch.Tensor, k: int, *, backend: str | None = None):

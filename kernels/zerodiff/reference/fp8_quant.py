@@ -40,7 +40,7 @@ def div_rn_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     Computed in float64 and rounded once to FP32, which is exact RNE (53 >= 2*24 + 2, so the double
     rounding is innocuous). Plain torch division is not safe for this: on CUDA ``tensor / scalar`` is
-    computed as a multiply by the reciprocal (1-ulp off, seen on the H200, 2026-11-30).
+    computed as a multiply by the reciprocal (1-ulp off, seen on the H200).
     """
     return (a.to(torch.float32).to(torch.float64) / b.to(torch.float32).to(torch.float64)).to(torch.float32)
 
@@ -56,7 +56,7 @@ def e4m3_rne_saturate(v: torch.Tensor) -> torch.Tensor:
     """FP32 -> e4m3, RNE, saturating: |v| >= 464 and +-inf -> +-448, NaN -> NaN.
 
     The clamp is explicit because torch's own cast is not stable across versions: torch 2.13 saturates,
-    torch 2.11 (the H200 image) maps |v| >= 464 to NaN (measured 2026-11-30). Clamping first changes
+    torch 2.11 (the H200 image) maps |v| >= 464 to NaN (measured on the H200). Clamping first changes
     nothing below 464 (those values round to at most 448 anyway) and NaN passes through the clamp.
     """
     return v.to(torch.float32).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

@@ -20,6 +20,7 @@ import torch
 
 from .fp8_gemm import fp8_gemm_ref
 from .fp8_quant import quant_per_token_group_ref
+from ..errors import InputError
 
 
 def route_ref(logits, k, *, scoring="softmax", bias=None, renormalize=True, routed_scale=1.0):
@@ -33,7 +34,7 @@ def route_ref(logits, k, *, scoring="softmax", bias=None, renormalize=True, rout
     elif scoring == "sqrtsoftplus":
         s = torch.sqrt(torch.nn.functional.softplus(x))
     else:
-        raise ValueError(f"scoring={scoring!r}")
+        raise InputError(f"scoring={scoring!r}")
     s = s.to(torch.float32)
     sel = s + bias[None, :] if bias is not None else s
     ids = deterministic_topk_ref(sel, k)

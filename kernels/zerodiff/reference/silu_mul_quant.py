@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from .fp8_quant import quant_per_token_group_ref
+from ..errors import InputError
 
 __all__ = [
     "f64_to_bf16_rne",
@@ -67,9 +68,9 @@ def f64_to_bf16_rne(x: torch.Tensor) -> torch.Tensor:
 
 def _split(x: torch.Tensor):
     if x.dtype != torch.bfloat16:
-        raise TypeError(f"silu_mul reference: x must be bfloat16, got {x.dtype}")
+        raise InputError(f"silu_mul reference: x must be bfloat16, got {x.dtype}")
     if x.shape[-1] % 2:
-        raise ValueError(f"silu_mul reference: last dim must be even (gate | up), got {x.shape[-1]}")
+        raise InputError(f"silu_mul reference: last dim must be even (gate | up), got {x.shape[-1]}")
     n = x.shape[-1] // 2
     return x[..., :n], x[..., n:]
 
@@ -123,7 +124,7 @@ def silu_mul_quant_fp8_ref(x: torch.Tensor, group: int = 128, clamp_limit: float
     :func:`silu_mul_fp32_mirror` to replay the kernel bit for bit)."""
     h = (silu or silu_mul_ref)(x, clamp_limit)
     if h.shape[-1] % group:
-        raise ValueError(f"N={h.shape[-1]} is not a multiple of group={group}")
+        raise InputError(f"N={h.shape[-1]} is not a multiple of group={group}")
     return quant_per_token_group_ref(h, group=group, ue8m0=ue8m0)
 
 

@@ -21,13 +21,15 @@ Contract (this file defines it; ``zerodiff.ops.topk`` must give the same bits):
 * The result of a row is a pure function of that row's first ``length`` scores, ``k`` and nothing else:
   not of the other rows, the batch size, the row's index in the batch, or W beyond the length.
 
-Bad input (ValueError, the message names the problem): scores not fp32, not 2-D; k not an int in
+Bad input (``InputError``, the message names the problem): scores not fp32, not 2-D; k not an int in
 ``[1, MAX_K]``; lengths not an integer tensor of shape ``[R]``, or any length < 0 or > W.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..errors import InputError
 
 #: largest k the public API accepts (DSA uses 2048; the kernel itself has no structural limit).
 MAX_K = 65536
@@ -36,38 +38,38 @@ MAX_W = 2**30
 
 
 def check_inputs(scores: torch.Tensor, k, lengths: torch.Tensor | None, check_values: bool = True) -> None:
-    """Validate the public arguments; raise ValueError naming the bad one."""
+    """Validate the public arguments; raise InputError naming the bad one."""
     if not isinstance(scores, torch.Tensor):
-        raise ValueError(f"deterministic_topk: scores must be a torch.Tensor, got {type(scores).__name__}")
+        raise InputError(f"deterministic_topk: scores must be a torch.Tensor, got {type(scores).__name__}")
     if scores.dim() != 2:
-        raise ValueError(f"deterministic_topk: scores must be 2-D [rows, width], got shape {tuple(scores.shape)}")
+        raise InputError(f"deterministic_topk: scores must be 2-D [rows, width], got shape {tuple(scores.shape)}")
     if scores.dtype != torch.float32:
-        raise ValueError(f"deterministic_topk: scores must be float32, got {scores.dtype}")
+        raise InputError(f"deterministic_topk: scores must be float32, got {scores.dtype}")
     if scores.shape[1] > MAX_W:
-        raise ValueError(f"deterministic_topk: width {scores.shape[1]} exceeds {MAX_W}")
+        raise InputError(f"deterministic_topk: width {scores.shape[1]} exceeds {MAX_W}")
     if isinstance(k, bool) or not isinstance(k, int):
-        raise ValueError(f"deterministic_topk: k must be a Python int, got {type(k).__name__}")
+        raise InputError(f"deterministic_topk: k must be a Python int, got {type(k).__name__}")
     if k < 1 or k > MAX_K:
-        raise ValueError(f"deterministic_topk: k={k} out of range [1, {MAX_K}]")
+        raise InputError(f"deterministic_topk: k={k} out of range [1, {MAX_K}]")
     if lengths is not None:
         if not isinstance(lengths, torch.Tensor):
-            raise ValueError("deterministic_topk: lengths must be a tensor of int32 [rows] or None")
+            raise InputError("deterministic_topk: lengths must be a tensor of int32 [rows] or None")
         if lengths.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"deterministic_topk: lengths must be int32 (or int64), got {lengths.dtype}")
+            raise InputError(f"deterministic_topk: lengths must be int32 (or int64), got {lengths.dtype}")
         if lengths.dim() != 1 or lengths.shape[0] != scores.shape[0]:
-            raise ValueError(
+            raise InputError(
                 f"deterministic_topk: lengths must have shape [{scores.shape[0]}], got {tuple(lengths.shape)}"
             )
         if lengths.device != scores.device:
-            raise ValueError(
+            raise InputError(
                 f"deterministic_topk: lengths on {lengths.device} but scores on {scores.device}"
             )
         if check_values and lengths.numel() > 0:
             lo, hi = int(lengths.min()), int(lengths.max())
             if lo < 0:
-                raise ValueError(f"deterministic_topk: negative length {lo} in lengths")
+                raise InputError(f"deterministic_topk: negative length {lo} in lengths")
             if hi > scores.shape[1]:
-                raise ValueError(f"deterministic_topk: length {hi} exceeds the row width {scores.shape[1]}")
+                raise InputError(f"deterministic_topk: length {hi} exceeds the row width {scores.shape[1]}")
 
 
 def order_preserving_bits(scores: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,9 @@ import torch
 from ..model.forward import StepInputs, forward_step
 
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: the harness's own code that runs inside the captured decode step (interim.py is the CPU-only stand-in)
+#: the harness's own code that runs inside the captured decode step (exact_ops.py is the CPU-only stand-in)
 GUARD_ROOTS = tuple(os.path.join(_PKG, d) + os.sep for d in ("model", "rollout", "training", "rl"))
-GUARD_EXEMPT = (os.path.join(_PKG, "model", "interim.py"),)
+GUARD_EXEMPT = (os.path.join(_PKG, "model", "exact_ops.py"),)
 
 
 class HostSyncError(RuntimeError):
@@ -47,7 +47,7 @@ def host_sync_guard(roots=GUARD_ROOTS, exempt=GUARD_EXEMPT):
     :class:`HostSyncError` naming the call and ``file:line``: ``Tensor.item/tolist/cpu/numpy``,
     ``bool()/int()/float()`` of a tensor, ``nonzero``/``unique``/``masked_select``, boolean-mask indexing,
     ``torch.tensor``/``torch.as_tensor`` (Python data -> device), ``Tensor.to`` onto another device,
-    ``repeat_interleave`` without ``output_size``, ``torch.cuda.synchronize``. Calls made by the team's ops
+    ``repeat_interleave`` without ``output_size``, ``torch.cuda.synchronize``. Calls made by zerodiff's ops
     (``zerodiff.ops``) are not inspected here (their own tests and the GPU capture check them).
 
     Used by the CPU emulation of the captured decode step (``DecodeGraphs(guard=True)``)."""

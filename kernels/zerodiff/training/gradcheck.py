@@ -241,7 +241,7 @@ def recorded_recipe(preset: str = "cpu", seed: int = 0, n_seqs: int = 6, coef_se
 
 
 #: ``rel_err`` per trainable master of :func:`tight_gradient_check` on :func:`recorded_recipe` (CPU config, one
-#: thread, torch 2.13 CPU), recorded 2026-12-02 with ``python tests/gradcheck_mutations.py --record``. BF16 masters:
+#: thread, torch 2.13 CPU), recorded with ``python tests/gradcheck_mutations.py --record``. BF16 masters:
 #: 1.1-1.8x the error of rounding the float64 gradient once to BF16 (two micro-batches: two roundings plus a BF16
 #: sum); FP32 masters (mHC): FP32 graph arithmetic, 1e-7 .. 6e-6. The bounds are :func:`tight_bounds` of these.
 RECORDED_CPU = {

@@ -196,7 +196,7 @@ def dsv4_decode_attention(layer: Any, q: torch.Tensor, positions: torch.Tensor, 
     (:func:`dsv4_decode_workspace`), padded with ``-1`` to the prefill width
     ``round_up(top_k + window + max_image_tokens, 128)``, then ``sparse_fwd`` (FlashMLA's
     ``flash_mla_sparse_fwd``, passed in by the patch) with the layer's scale and sink. The FP8 decode kernel
-    ``flash_mla_with_kvcache`` (batch-dependent, DESIGN "Decode read path") is never called.
+    ``flash_mla_with_kvcache`` (batch-dependent: its split-KV schedule follows the batch) is never called.
 
     ``top_k``: C4A the indexer buffer width (``layer.topk_indices_buffer.shape[-1]``, the prefill's
     ``top_k``); C128A the model-limit width ``round_up(ceil(max_model_len / 128), 128)`` (the prefill uses

@@ -43,7 +43,7 @@ eager vs CUDA-graph replay. Backends differ from each other in the last bits (ot
 deployment runs one backend for rollout AND training; the automatic choice depends only on the device, the
 library and the model shape. Each backend module states its arithmetic.
 
-Bad input raises ``ValueError`` (``checks``): argument dtypes / shapes / devices, an unknown backend, options that
+Bad input raises ``InputError`` (a ``ValueError``; ``checks``): argument dtypes / shapes / devices, an unknown backend, options that
 do not apply to the chosen backend, a backend requested where it cannot run, positions the block table cannot
 resolve (``check=True``; with ``check=False`` such a row comes out NaN).
 """

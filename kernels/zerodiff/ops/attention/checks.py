@@ -1,10 +1,10 @@
 """Argument checks and shape constants shared by the sparse attention backends.
 
-Every check raises ``ValueError`` (the project's error type for bad arguments) with a message that starts
+Every check raises :class:`zerodiff.errors.InputError` (the project's error type for bad arguments; a ``ValueError``) with a message that starts
 with ``zerodiff.sparse_attention`` and, for a read path, its name in brackets
 (``zerodiff.sparse_attention[flashmla_fp8]: ...``), then names the argument and what was expected.
 
-* :func:`fail` ``(path, message) -> ValueError``: the error, for the checks that stay next to their backend.
+* :func:`fail` ``(path, message) -> InputError``: the error, for the checks that stay next to their backend.
 * :func:`check_fp8_read_args`: the arguments every read path over the paged FP8 cache takes (q, cache,
   block_table, req_ids, positions, attn_sink, the model dims, one device).
 * :func:`check_workspace_args` ``(q, kv, indices, d_v, attn_sink) -> (kv [S, d_qk], indices [Q, K])``: the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import InputError
 from .. import kv_cache as _kv
 
 #: the op name every message starts with
@@ -33,9 +34,9 @@ MODEL_D_QK = MODEL_DIMS[0] + MODEL_DIMS[1]
 MODEL_D_V = MODEL_DIMS[0]
 
 
-def fail(path: str | None, message: str) -> ValueError:
-    """The error of a refused argument: ``ValueError("zerodiff.sparse_attention[path]: message")``."""
-    return ValueError(f"{OP}[{path}]: {message}" if path else f"{OP}: {message}")
+def fail(path: str | None, message: str) -> InputError:
+    """The error of a refused argument: ``InputError("zerodiff.sparse_attention[path]: message")``."""
+    return InputError(f"{OP}[{path}]: {message}" if path else f"{OP}: {message}")
 
 
 def _desc(t) -> str:

@@ -78,6 +78,7 @@ from ..._triton import HAVE_TRITON, LAUNCH_OPTS, triton_usable_for
 from .. import kv_cache as _kv
 from .checks import FLASHMLA_HEADS, FLASHMLA_TOPK_BLOCK, MODEL_D_V, MODEL_DIMS, check_fp8_read_args, check_out
 from .checks import fail as _fail
+from ...errors import InputError
 from .slots import resolve_slots_torch
 
 PATH = "flashmla_fp8"
@@ -88,7 +89,7 @@ _GLOBAL = "zerodiff.flashmla_fp8"
 def _pieces_from_env(default: int = 2) -> int:
     raw = os.environ.get("ZD_FLASHMLA_PIECES", str(default))
     if not raw.strip().isdigit() or int(raw) < 1:
-        raise ValueError(f"{_GLOBAL}: ZD_FLASHMLA_PIECES={raw!r} must be a positive integer "
+        raise InputError(f"{_GLOBAL}: ZD_FLASHMLA_PIECES={raw!r} must be a positive integer "
                          "(pieces per row; it must be the same for rollout and training)")
     return int(raw)
 
@@ -229,7 +230,7 @@ if HAVE_TRITON:
 def rows_per_launch(pieces_per_row: int = 1) -> int:
     """Rows one kernel launch takes (a memory bound only)."""
     if pieces_per_row < 1:
-        raise ValueError(f"{_GLOBAL}: pieces_per_row={pieces_per_row} must be >= 1")
+        raise InputError(f"{_GLOBAL}: pieces_per_row={pieces_per_row} must be >= 1")
     return max(1, MAX_PAIRS_PER_LAUNCH // pieces_per_row)
 
 
@@ -244,11 +245,11 @@ def fixed_schedule(rows: int, num_sm_parts: int, blocks_per_row: int, device=Non
     once."""
     P = int(num_sm_parts)
     if rows < 1:
-        raise ValueError(f"{_GLOBAL}: rows={rows} must be >= 1")
+        raise InputError(f"{_GLOBAL}: rows={rows} must be >= 1")
     if blocks_per_row < 1:
-        raise ValueError(f"{_GLOBAL}: blocks_per_row={blocks_per_row} must be >= 1")
+        raise InputError(f"{_GLOBAL}: blocks_per_row={blocks_per_row} must be >= 1")
     if P < 1:
-        raise ValueError(f"{_GLOBAL}: num_sm_parts={P} must be >= 1")
+        raise InputError(f"{_GLOBAL}: num_sm_parts={P} must be >= 1")
     i = torch.arange(P, device=device, dtype=torch.int64)
     meta = torch.zeros(P, META_FIELDS, device=device, dtype=torch.int64)
     if rows <= P:
@@ -265,7 +266,7 @@ def fixed_schedule(rows: int, num_sm_parts: int, blocks_per_row: int, device=Non
         last = torch.full_like(i, blocks_per_row)
     else:
         if tuple(row_blocks.shape) != (rows,):
-            raise ValueError(f"{_GLOBAL}: row_blocks must have shape ({rows},), got {tuple(row_blocks.shape)}")
+            raise InputError(f"{_GLOBAL}: row_blocks must have shape ({rows},), got {tuple(row_blocks.shape)}")
         last = row_blocks.to(device=device, dtype=torch.int64)[end.clamp(min=0, max=rows - 1)]
     meta[:, 3] = torch.where(used, last, torch.zeros_like(i))
     splits = torch.arange(rows + 1, device=device, dtype=torch.int64)
@@ -412,7 +413,7 @@ def decode_kernel(device):
     ``sparse_decode_fwd`` op). ``ValueError`` off CUDA (the kernel runs on CUDA only), ``RuntimeError`` when
     FlashMLA is not importable or the build lacks the op."""
     if torch.device(device).type != "cuda":
-        raise ValueError(f"{_GLOBAL}: needs CUDA tensors, got {device}")
+        raise InputError(f"{_GLOBAL}: needs CUDA tensors, got {device}")
     from ... import backends
 
     fm = backends.flash_mla()
@@ -542,54 +543,54 @@ def flashmla_fp8_attention(q, kv_cache, indices, sm_scale: float, *, attn_sink=N
     main list, then its extra list, and the table ends each CTA's last row at that row's own block count
     (``row_block_counts``)."""
     if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 or q.dim() != 3:
-        raise ValueError(f"{_GLOBAL}: q must be bf16 [Q, H, d_qk], got {getattr(q, 'dtype', type(q))} "
+        raise InputError(f"{_GLOBAL}: q must be bf16 [Q, H, d_qk], got {getattr(q, 'dtype', type(q))} "
                          f"{tuple(getattr(q, 'shape', ()))}")
     Q, H, D = q.shape
     if D not in LAYOUT_BYTES:
-        raise ValueError(f"{_GLOBAL}: d_qk={D} is not a FlashMLA FP8 sparse layout this module schedules "
+        raise InputError(f"{_GLOBAL}: d_qk={D} is not a FlashMLA FP8 sparse layout this module schedules "
                          f"(one of {sorted(LAYOUT_BYTES)})")
     if H not in FLASHMLA_HEADS:
-        raise ValueError(f"{_GLOBAL}: FlashMLA's decode kernel takes 64 or 128 heads, got {H}")
+        raise InputError(f"{_GLOBAL}: FlashMLA's decode kernel takes 64 or 128 heads, got {H}")
     bpt = LAYOUT_BYTES[D]
     kv_cache = _as_flashmla_cache(kv_cache, bpt, "kv_cache", D)
     if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != Q:
-        raise ValueError(f"{_GLOBAL}: indices must be int32 [{Q}, K], got {indices.dtype} {tuple(indices.shape)}")
+        raise InputError(f"{_GLOBAL}: indices must be int32 [{Q}, K], got {indices.dtype} {tuple(indices.shape)}")
     if attn_sink is not None and (attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (H,)):
-        raise ValueError(f"{_GLOBAL}: attn_sink must be fp32 [{H}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
+        raise InputError(f"{_GLOBAL}: attn_sink must be fp32 [{H}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
     for name, t in (("kv_cache", kv_cache), ("indices", indices)):
         if t.device != q.device:
-            raise ValueError(f"{_GLOBAL}: {name} is on {t.device}, q on {q.device}")
+            raise InputError(f"{_GLOBAL}: {name} is on {t.device}, q on {q.device}")
     K = indices.shape[1]
     varlen = topk_length is not None or extra_kv_cache is not None or extra_indices is not None \
         or extra_topk_length is not None
     P = PIECES_PER_ROW if pieces_per_row is None else int(pieces_per_row)
     if varlen:
         if D != 512:
-            raise ValueError(f"{_GLOBAL}: topk_length / an extra cache are scheduled for the DeepSeek-V4 "
+            raise InputError(f"{_GLOBAL}: topk_length / an extra cache are scheduled for the DeepSeek-V4 "
                              f"layout (d_qk 512) only, got d_qk={D}")
         if pieces_per_row is not None and int(pieces_per_row) != 1:
-            raise ValueError(f"{_GLOBAL}: topk_length / an extra cache need pieces_per_row=1 (FlashMLA's "
+            raise InputError(f"{_GLOBAL}: topk_length / an extra cache need pieces_per_row=1 (FlashMLA's "
                              f"lengths are per row, not per piece), got {pieces_per_row}")
         P = 1
         if (extra_kv_cache is None) != (extra_indices is None):
-            raise ValueError(f"{_GLOBAL}: extra_kv_cache and extra_indices come together")
+            raise InputError(f"{_GLOBAL}: extra_kv_cache and extra_indices come together")
         if extra_topk_length is not None and extra_kv_cache is None:
-            raise ValueError(f"{_GLOBAL}: extra_topk_length without an extra cache")
+            raise InputError(f"{_GLOBAL}: extra_topk_length without an extra cache")
         for name, t in (("topk_length", topk_length), ("extra_topk_length", extra_topk_length)):
             if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (Q,)):
-                raise ValueError(f"{_GLOBAL}: {name} must be int32 [{Q}], got {t.dtype} {tuple(t.shape)}")
+                raise InputError(f"{_GLOBAL}: {name} must be int32 [{Q}], got {t.dtype} {tuple(t.shape)}")
         if extra_kv_cache is not None:
             extra_kv_cache = _as_flashmla_cache(extra_kv_cache, bpt, "extra_kv_cache", D)
             if extra_indices.dtype != torch.int32 or extra_indices.dim() != 2 or extra_indices.shape[0] != Q \
                     or extra_indices.shape[1] == 0:
-                raise ValueError(f"{_GLOBAL}: extra_indices must be int32 [{Q}, K2 > 0], got "
+                raise InputError(f"{_GLOBAL}: extra_indices must be int32 [{Q}, K2 > 0], got "
                                  f"{extra_indices.dtype} {tuple(extra_indices.shape)}")
     if P < 1 or K == 0 or K % (TOPK_BLOCK * P):
-        raise ValueError(f"{_GLOBAL}: the index-list width K={K} must be a positive multiple of "
+        raise InputError(f"{_GLOBAL}: the index-list width K={K} must be a positive multiple of "
                          f"{TOPK_BLOCK} x pieces_per_row={P}")
     if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (Q, H, MODEL_D_V)
                             or not out.is_contiguous()):
-        raise ValueError(f"{_GLOBAL}: out must be contiguous bf16 [{Q}, {H}, {MODEL_D_V}], got {out.dtype} "
+        raise InputError(f"{_GLOBAL}: out must be contiguous bf16 [{Q}, {H}, {MODEL_D_V}], got {out.dtype} "
                          f"{tuple(out.shape)}")
     if q.device.type != "cuda":
         decode_kernel(q.device)  # refuses off CUDA
@@ -615,13 +616,13 @@ def _as_flashmla_cache(c, bpt: int, name: str, d_qk: int):
     """A paged FP8 cache as FlashMLA takes it: uint8 [num_blocks, block_size, 1, bpt] whose tokens are contiguous
     inside a block (a block stride larger than block_size * bpt, vLLM's padded blocks, is allowed)."""
     if not isinstance(c, torch.Tensor) or c.dtype != torch.uint8 or c.dim() not in (3, 4):
-        raise ValueError(f"{_GLOBAL}: {name} must be uint8 [num_blocks, block_size, (1,) {bpt}] for "
+        raise InputError(f"{_GLOBAL}: {name} must be uint8 [num_blocks, block_size, (1,) {bpt}] for "
                          f"d_qk={d_qk}, got {getattr(c, 'dtype', type(c))} {tuple(getattr(c, 'shape', ()))}")
     if c.dim() == 3:
         c = c.unsqueeze(2)
     nb, bs, one, b = c.shape
     if one != 1 or b != bpt or c.stride(3) != 1 or c.stride(1) != bpt or c.stride(0) < bs * bpt:
-        raise ValueError(f"{_GLOBAL}: {name} must be uint8 [num_blocks, block_size, (1,) {bpt}] with the "
+        raise InputError(f"{_GLOBAL}: {name} must be uint8 [num_blocks, block_size, (1,) {bpt}] with the "
                          f"tokens of a block contiguous (d_qk={d_qk}), got shape {tuple(c.shape)} strides "
                          f"{tuple(c.stride())}")
     return c

@@ -3,7 +3,7 @@
 # there are two (tests on GPU 0, benchmarks on GPU 1), else one after the other. Everything lands in
 # $OUT/results.tar.gz plus $OUT/summary.txt, so a time-limited call still returns what it finished.
 #
-#   build/device-run.sh [--budget SECONDS] [--quick] [-k PYTEST_EXPR] [BENCH_NAME ...]
+#   gpu/device-run.sh [--budget SECONDS] [--quick] [-k PYTEST_EXPR] [BENCH_NAME ...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/results/device-$(date -u +%Y%m%d-%H%M%S)}
@@ -18,17 +18,17 @@ while [ $# -gt 0 ]; do
   shift
 done
 # unpack the carried wheel kernels once, before the two halves start (they would race otherwise)
-source build/gpu-env.sh
+source gpu/gpu-env.sh
 export ZD_SKIP_UNPACK=1
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 echo "gpus: $ngpu, budget ${BUDGET}s"
 if [ "$ngpu" -ge 2 ]; then
-  PYTEST_ADDOPTS="--timeout=240" CUDA_VISIBLE_DEVICES=0 OUT="$OUT/tests" timeout "$BUDGET" build/gpu-suite.sh --tests-only "${TARGS[@]}" >"$OUT/tests.out" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 OUT="$OUT/bench" timeout "$BUDGET" build/gpu-suite.sh --bench-only "${ARGS[@]}" >"$OUT/bench.out" 2>&1 &
+  PYTEST_ADDOPTS="--timeout=240" CUDA_VISIBLE_DEVICES=0 OUT="$OUT/tests" timeout "$BUDGET" gpu/gpu-suite.sh --tests-only "${TARGS[@]}" >"$OUT/tests.out" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 OUT="$OUT/bench" timeout "$BUDGET" gpu/gpu-suite.sh --bench-only "${ARGS[@]}" >"$OUT/bench.out" 2>&1 &
   wait
 else
-  OUT="$OUT/tests" timeout $((BUDGET / 2)) build/gpu-suite.sh --tests-only "${TARGS[@]}" >"$OUT/tests.out" 2>&1
-  OUT="$OUT/bench" timeout $((BUDGET / 2)) build/gpu-suite.sh --bench-only "${ARGS[@]}" >"$OUT/bench.out" 2>&1
+  OUT="$OUT/tests" timeout $((BUDGET / 2)) gpu/gpu-suite.sh --tests-only "${TARGS[@]}" >"$OUT/tests.out" 2>&1
+  OUT="$OUT/bench" timeout $((BUDGET / 2)) gpu/gpu-suite.sh --bench-only "${ARGS[@]}" >"$OUT/bench.out" 2>&1
 fi
 {
   echo "== tests =="; cat "$OUT/tests/summary.txt" 2>/dev/null || echo "(no summary: timed out?)"

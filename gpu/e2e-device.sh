@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one command of the end-to-end H200 run (issue 6). Run from the repository root on the GPU machine:
+# The one command of the end-to-end H200 run. Run from the repository root on the GPU machine:
 #
-#   build/e2e-device.sh [--total SECONDS] [--config h200] [--steps 100] [--skip-tests] [--tests "FILES"]
+#   gpu/e2e-device.sh [--total SECONDS] [--config h200] [--steps 100] [--skip-tests] [--tests "FILES"]
 #                       [--also "SHELL COMMAND"]
 #
 # Stages, each in its own process with its own timeout (a failing or slow stage never loses the others):
@@ -45,7 +45,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-source build/gpu-env.sh
+source gpu/gpu-env.sh
 W="$OUT/logs"
 mkdir -p "$W"
 START=$(date +%s)
@@ -121,7 +121,7 @@ tests_stage() {  # $1: seconds available, $2: test files
   [ "$t" -lt 30 ] && { note "== gpu tests skipped: ${t}s left"; return 0; }
   note "== gpu tests (timeout ${t}s, t=$(elapsed)s): $2"
   ZD_TEST_FILES="$2" ZD_SKIP_UNPACK=1 PYTEST_ADDOPTS="--timeout=150" OUT="$W/tests" \
-    timeout -k 10 "$t" build/gpu-suite.sh --tests-only >"$W/gpu_tests.log" 2>&1
+    timeout -k 10 "$t" gpu/gpu-suite.sh --tests-only >"$W/gpu_tests.log" 2>&1
   cat "$W/tests/files.txt" 2>/dev/null | tee -a "$SUM"
   grep -E "^(FAILED|ERROR)|E2E_GRAD_ERRORS" "$W/tests/pytest.log" 2>/dev/null | cut -c1-300 | tail -n 20 | tee -a "$SUM"
 }
@@ -148,7 +148,7 @@ else
   # one GPU: the check starts at once next to the warm-up; the GPU tests share the GPU with it (kernel bits do
   # not depend on a neighbour process; their timings are not reported); the negative control and the throughput
   # bench run after the check (the check's training graph holds most of the GPU memory: a baseline run next to
-  # it ran out of memory on the H200, 2026-11-30), the bench alone on the GPU.
+  # it ran out of memory on the H200), the bench alone on the GPU.
   T_BASE=50; T_BENCH=100
   CHECK_END=$(( TOTAL - T_BENCH - T_BASE - 15 ))
   note "== warmup (background, timeout ${T_WARM}s, t=$(elapsed)s): zerodiff warmup ${WARM_CFG[*]}"

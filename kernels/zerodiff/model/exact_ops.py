@@ -1,7 +1,7 @@
-"""INTERIM pure-torch implementations of ops whose zerodiff module has not landed yet.
+"""Exact-structure pure-torch implementations of the model's ops, for CPU tensors.
 
-Each function has the signature of the team API (docs in the issue / DESIGN.md) so that switching the
-binding in :mod:`zerodiff.model.ops` to the real module is one line. They are exact-structure
+:mod:`zerodiff.model.ops` dispatches CPU tensors here and CUDA tensors to the zerodiff op of the same contract;
+each function has that op's signature. They are exact-structure
 implementations (see :mod:`zerodiff.model.detmath`): elementwise IEEE basic ops, float64 transcendental
 functions by polynomial, and pairwise-tree reductions whose tree depends only on the reduced length, so
 every output row depends only on that row's inputs, on any device, whatever the batch. They are slow
@@ -36,6 +36,7 @@ import weakref
 import torch
 
 from .detmath import det_exp, det_log, det_rsqrt, det_sigmoid, tree_sum
+from ..errors import InputError
 
 _MAX_ELEMS = 1 << 22
 
@@ -46,8 +47,8 @@ def _row_chunk(per_row: int) -> int:
 
 def bf16_gemm(x, w, *, out_dtype=torch.bfloat16, backend=None):
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"zerodiff.interim.bf16_gemm: need bf16 x [M, K], w [N, K]; got {x.dtype} {tuple(x.shape)}, "
-                         f"{w.dtype} {tuple(w.shape)}")
+        raise InputError(f"zerodiff.model.exact_ops.bf16_gemm: need bf16 x [M, K], w [N, K]; got {x.dtype} "
+                         f"{tuple(x.shape)}, {w.dtype} {tuple(w.shape)}")
     M, K = x.shape
     N = w.shape[0]
     wf = w.float()
@@ -75,7 +76,8 @@ def rms_norm(x, weight, eps=1e-6, *, residual=None, backend=None):
 
 def token_logprobs(logits, token_ids, *, temperature=1.0, backend=None):
     if temperature != 1.0:
-        raise ValueError("zerodiff.interim.token_logprobs: only temperature 1.0 is part of the harness contract")
+        raise InputError("zerodiff.model.exact_ops.token_logprobs: only temperature 1.0 is part of the harness "
+                         "contract")
     l64 = logits.double()
     m = l64.amax(-1, keepdim=True)
     s = tree_sum(det_exp(l64 - m))
@@ -124,7 +126,7 @@ def indexer_scores(q, w, kq, ks, lengths):
 
 def route(logits, k, *, scoring="sigmoid", bias=None, renormalize=True, routed_scale=1.0, topk_fn=None):
     if scoring != "sigmoid":
-        raise ValueError(f"zerodiff.interim.route: only scoring='sigmoid' is implemented in the interim, got {scoring!r}")
+        raise InputError(f"zerodiff.model.exact_ops.route: only scoring='sigmoid' is implemented here, got {scoring!r}")
     if topk_fn is None:
         from zerodiff.ops.topk import deterministic_topk as topk_fn
     sc = det_sigmoid(logits).float()

@@ -2,14 +2,13 @@
 # The performance-decision call: time the prepared kernel variants against the stock kernels,
 # in micro-benchmarks and end to end, and re-run the GPU tests that guard them. One command on a lent machine:
 #
-#   build/perf-session.sh [--total SECONDS] [--skip-tests] [--variants "ieee_s112 bf16x3_s32 ..."]
+#   gpu/perf-session.sh [--total SECONDS] [--skip-tests] [--variants "ieee_s112 bf16x3_s32 ..."]
 #
 # Stages (each with its own timeout; results are written as they come, so a cut-off call keeps what finished):
 #   0. zerodiff warmup --config h200 --config gpu_small        (background: DeepGEMM's M-dependent kernels)
-#   1. GPU tests in two halves (a: logprobs, integrations, sparse_attention, attention_triton_split,
-#      experimental_attention, e2e_gpu; b: mhc, experimental_mhc,
-#      topk, experimental_topk, rmsnorm, silu_mul_quant, moe, router_gemm, triton_casts, indexer), one pytest
-#      process per file
+#   1. GPU tests in two halves (a: logprobs, the integration files with gpu tests, sparse_attention,
+#      attention_triton_split, experimental_attention, e2e_gpu; b: mhc, experimental_mhc, topk, experimental_topk,
+#      rmsnorm, silu_mul_quant, moe, router_gemm, triton_casts, indexer), one pytest process per file
 #   2. micro-benchmark sweeps: bench_mhc --quick --sweep at H 2048 (the end-to-end model) and 7168,
 #      bench_topk --quick --sweep, bench_sparse_attention --quick --sweep
 #   3. end to end: zerodiff bench --config h200 --steps 3 with the shipped kernels, with each mHC variant in
@@ -36,8 +35,8 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-source build/gpu-env.sh
-source build/session-lib.sh
+source gpu/gpu-env.sh
+source gpu/session-lib.sh
 S="$OUT/sweeps"; E="$OUT/e2e"; T="$OUT/tests"
 mkdir -p "$S" "$E" "$T"
 note "zerodiff perf session: $(date -u +%Y-%m-%dT%H:%M:%SZ), $NGPU GPU(s), total ${TOTAL}s, mHC variants: $VARIANTS"
@@ -68,7 +67,7 @@ e2e() {
   done
 }
 
-TESTS_A="tests/test_logprobs.py tests/test_integrations.py tests/test_sparse_attention.py tests/test_attention_triton_split.py tests/test_experimental_attention.py tests/test_e2e_gpu.py"
+TESTS_A="tests/test_logprobs.py tests/test_vllm_megatron_parity.py tests/test_vllm_custom_ops.py tests/test_vllm_mhc_adapter.py tests/test_vllm_moe_adapter.py tests/test_vllm_dsv4_attention.py tests/test_megatron_moe.py tests/test_sparse_attention.py tests/test_attention_triton_split.py tests/test_experimental_attention.py tests/test_e2e_gpu.py"
 TESTS_B="tests/test_mhc.py tests/test_experimental_mhc.py tests/test_topk.py tests/test_experimental_topk.py tests/test_rmsnorm.py tests/test_silu_mul_quant.py tests/test_moe.py tests/test_router_gemm.py tests/test_triton_casts.py tests/test_indexer.py"
 tests() {  # tests SUBDIR FILES: one pytest process per file, results under $T/SUBDIR
   [ "$SKIP_TESTS" = 1 ] && { note "== tests skipped"; return 0; }
@@ -76,7 +75,7 @@ tests() {  # tests SUBDIR FILES: one pytest process per file, results under $T/S
   note "== GPU tests $1 on GPU ${CUDA_VISIBLE_DEVICES:-0} (t=$(elapsed)s)"
   [ "$(left 10)" -lt 30 ] && { note "   skipped ($(left)s left)"; return 0; }
   ZD_TEST_FILES="$2" ZD_SKIP_UNPACK=1 PYTEST_ADDOPTS="--timeout=150" OUT="$d" timeout -k 10 $(left 10) \
-    build/gpu-suite.sh --tests-only >"$d/suite.out" 2>&1
+    gpu/gpu-suite.sh --tests-only >"$d/suite.out" 2>&1
   cat "$d/files.txt" 2>/dev/null | tee -a "$SUM"
   grep -E "^(FAILED|ERROR)" "$d/pytest.log" 2>/dev/null | cut -c1-250 | tail -n 20 | tee -a "$SUM"
 }

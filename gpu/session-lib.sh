@@ -1,5 +1,5 @@
 # Shared by the one-call GPU session scripts (perf-session.sh, attention-session.sh); source it after OUT and TOTAL
-# are set and build/gpu-env.sh is sourced. Defines: START, elapsed, left [RESERVE], SUM + note (the summary file),
+# are set and gpu/gpu-env.sh is sourced. Defines: START, elapsed, left [RESERVE], SUM + note (the summary file),
 # NGPU, and timed SECONDS NAME CMD... (runs CMD under a timeout, logs to NAME.log, writes one summary line).
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }

@@ -3,7 +3,7 @@
 # (backend "flashmla_fp8") - its GPU tests, its micro-benchmark against the same kernel under its own scheduler,
 # and a short end-to-end check and throughput run with it as the read path on both sides. One command:
 #
-#   build/attention-session.sh [--total SECONDS] [--steps N] [--tests "FILES"] [--pieces "1 4 8"] [--check-pieces 4]
+#   gpu/attention-session.sh [--total SECONDS] [--steps N] [--tests "FILES"] [--pieces "1 4 8"] [--check-pieces 4]
 #
 # Two GPUs: GPU 0 runs the tests (tests/test_attention_flashmla_fp8.py first, then --tests, one pytest process
 # per file); GPU 1 runs the micro-benchmark (bench_sparse_attention.py --flashmla-fp8), then the warm-up, then
@@ -17,7 +17,7 @@ ROOT=$(pwd)
 OUT=${OUT:-$ROOT/results/attention-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 TOTAL=540; STEPS=20; PIECES="1 4 8"; CHECK_PIECES=4
-MORE="tests/test_sparse_attention.py tests/test_attention_triton_split.py tests/test_experimental_attention.py tests/test_attention_slots.py tests/test_integrations.py tests/test_kv_cache.py tests/test_fp8_quant.py tests/test_fp8_gemm.py tests/test_bf16_gemm.py"
+MORE="tests/test_sparse_attention.py tests/test_attention_triton_split.py tests/test_experimental_attention.py tests/test_attention_slots.py tests/test_vllm_megatron_parity.py tests/test_vllm_custom_ops.py tests/test_vllm_mhc_adapter.py tests/test_vllm_moe_adapter.py tests/test_vllm_dsv4_attention.py tests/test_megatron_moe.py tests/test_kv_cache.py tests/test_fp8_quant.py tests/test_fp8_gemm.py tests/test_bf16_gemm.py"
 while [ $# -gt 0 ]; do
   case "$1" in
     --total) TOTAL="$2"; shift ;;
@@ -30,8 +30,8 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-source build/gpu-env.sh
-source build/session-lib.sh
+source gpu/gpu-env.sh
+source gpu/session-lib.sh
 E="$OUT/e2e"; T="$OUT/tests"
 mkdir -p "$E" "$T"
 note "zerodiff attention session: $(date -u +%Y-%m-%dT%H:%M:%SZ), $NGPU GPU(s), total ${TOTAL}s"
@@ -39,7 +39,7 @@ tests() {
   note "== GPU tests on GPU ${CUDA_VISIBLE_DEVICES:-0} (t=$(elapsed)s)"
   [ "$(left 10)" -lt 30 ] && { note "   skipped ($(left)s left)"; return 0; }
   ZD_TEST_FILES="tests/test_attention_flashmla_fp8.py $MORE" ZD_SKIP_UNPACK=1 PYTEST_ADDOPTS="--timeout=200" OUT="$T" \
-    timeout -k 10 $(left 10) build/gpu-suite.sh --tests-only >"$T/suite.out" 2>&1
+    timeout -k 10 $(left 10) gpu/gpu-suite.sh --tests-only >"$T/suite.out" 2>&1
   cat "$T/files.txt" 2>/dev/null | tee -a "$SUM"
   grep -E "^(FAILED|ERROR)" "$T/pytest.log" 2>/dev/null | cut -c1-300 | tail -n 25 | tee -a "$SUM"
 }

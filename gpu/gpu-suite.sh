@@ -2,7 +2,7 @@
 # Run the whole GPU suite and the micro-benchmarks in one go, writing results under $OUT (default
 # ./results/gpu-<date>). Used on the lent H200 and on any user GPU machine:
 #
-#   build/gpu-suite.sh [--tests-only | --bench-only] [--quick] [-k PYTEST_EXPR] [BENCH_NAME ...]
+#   gpu/gpu-suite.sh [--tests-only | --bench-only] [--quick] [-k PYTEST_EXPR] [BENCH_NAME ...]
 #
 # Needs: python3 with CUDA torch, Triton, pytest. DeepGEMM/FlashMLA come from an installed vLLM or from
 # build/wheel-kernels (`make kernels-from-wheel`); a packed copy in .carry/wheel-kernels.tar.gz is unpacked
@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 
-source build/gpu-env.sh
+source gpu/gpu-env.sh
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
