@@ -106,7 +106,6 @@ CPU_EXACT_OPS = ("CPU only: rms_norm, bf16_gemm, router_gemm, token_logprobs, sp
                  "CPU only: fp8_gemm via a float64 block fast path bit-identical to zerodiff.reference.fp8_gemm",
                  "CPU only: MoE routed experts through per-slot grouped reference GEMMs (CUDA: "
                  "zerodiff.ops.moe.moe_experts, masked layout in decode graphs, contiguous elsewhere)")
-INTERIM_OPS = CPU_EXACT_OPS  # former name, kept for importers
 
 #: The frozen baseline (negative control and throughput reference), per op. CUDA rows are the fast stock paths
 #: of the baseline table in docs/results.md (zerodiff.model.baseline_cuda); CPU rows are torch stand-ins for CI
@@ -853,6 +852,6 @@ def make_ops(mode: str, side: str, cfg):
 
 __all__ = [
     "ConsistentOps", "BaselineRolloutOps", "BaselineTrainOps", "make_ops", "Tape", "WeightVersionError",
-    "Fp8Weight", "new_kv_cache", "write_kv_cache", "gather_kv", "BASELINE_CHOICE", "CPU_EXACT_OPS", "INTERIM_OPS",
+    "Fp8Weight", "new_kv_cache", "write_kv_cache", "gather_kv", "BASELINE_CHOICE", "CPU_EXACT_OPS",
     "det_exp", "tree_sum",
 ]
