@@ -232,9 +232,12 @@ def test_breakdown_device_path_attributes_kernels_to_ops():
     l1 = ev("cudaLaunchKernel", parent=inner, kernels=[K(name="silu_k", device=0, duration=30.0)])
     l2 = ev("cudaLaunchKernel", parent=outer, kernels=[K(name="gemm_k", device=0, duration=60.0)])
     l3 = ev("cudaLaunchKernel", parent=None, kernels=[K(name="sample_k", device=0, duration=5.0)])
+    outer.kernels = [K(name="zerodiff::moe", device=0, duration=95.0)]  # the range's GPU-timeline mirror
     devs = [ev("silu_k", dev=True, us=30.0), ev("gemm_k", dev=True, us=60.0), ev("gemm_k", dev=True, us=0.0),
             ev("sample_k", dev=True, us=5.0), ev("memcpy", dev=True, us=5.0)]
-    b = bt.breakdown([outer, inner, l1, l2, l3, *devs], top=2)
+    mirror = ev("zerodiff::moe", dev=True, us=95.0)
+    mirror.is_user_annotation = True
+    b = bt.breakdown([outer, inner, l1, l2, l3, *devs, mirror], top=2)
     assert b["source"] == "device" and b["total_us"] == 100.0 and "idle gaps excluded" in b["measure"]
     assert [(k["name"], k["us"], k["count"], k["share"]) for k in b["kernels"]] == [("gemm_k", 60.0, 2, 60.0),
                                                                                    ("silu_k", 30.0, 1, 30.0)]

@@ -254,6 +254,12 @@ def _op_of(ev) -> str:
     return "(outside any zerodiff op)"
 
 
+def _annotation(ev) -> bool:
+    """A profiler range (host ``record_function`` or its GPU-timeline mirror), not work."""
+    return (bool(getattr(ev, "is_user_annotation", False)) or ev.name.startswith(OP_PREFIX)
+            or "annotation" in str(getattr(ev, "activity_type", "") or ""))
+
+
 def _is_device(ev) -> bool:
     dt = getattr(ev, "device_type", None)
     return dt is not None and getattr(dt, "name", str(dt)).upper().endswith(("CUDA", "PRIVATEUSE1", "HIP"))
@@ -267,7 +273,7 @@ def breakdown(events, top: int = 20, steps: int = 1, tokens: int | None = None) 
     ``(outside any zerodiff op)``; device time whose launch could not be linked goes to ``(not linked to a host
     call)``). Without (CPU): the same from the aten ops' CPU self time. ``share`` is percent of ``total_us``."""
     events = list(events)
-    dev = [e for e in events if _is_device(e)]
+    dev = [e for e in events if _is_device(e) and not _annotation(e)]
     per_k = defaultdict(lambda: [0.0, 0])
     per_op = defaultdict(float)
     if dev:
@@ -281,9 +287,9 @@ def breakdown(events, top: int = 20, steps: int = 1, tokens: int | None = None) 
             total += d
         linked = 0.0
         for e in events:
-            if _is_device(e) or not getattr(e, "kernels", None):
+            if _is_device(e) or _annotation(e) or not getattr(e, "kernels", None):
                 continue
-            d = sum(k.duration for k in e.kernels)
+            d = sum(k.duration for k in e.kernels if not k.name.startswith(OP_PREFIX))
             per_op[_op_of(e)] += d
             linked += d
         if total - linked > 1e-6 * max(1.0, total):
@@ -293,7 +299,7 @@ def breakdown(events, top: int = 20, steps: int = 1, tokens: int | None = None) 
         measure = "CPU self time of the aten ops (no device activity recorded: a structure check, not a GPU number)"
         total = 0.0
         for e in events:
-            if getattr(e, "is_user_annotation", False) or e.name.startswith(OP_PREFIX):
+            if _annotation(e):
                 continue
             if not e.name.startswith("aten::"):
                 continue
