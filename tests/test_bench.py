@@ -274,3 +274,72 @@ def test_bench_json_keys_and_profile(tmp_path, capsys):
     assert doc["forward_device_ratio"] is None
     text = capsys.readouterr().out
     assert "95% CI" in text and "op k_" in text
+
+
+# ---- the baseline's vLLM ops (CPU: the recorded fallback and the probe logic) ------------------------------------
+@pytest.fixture
+def fresh_vllm_ops(monkeypatch):
+    from zerodiff.baselines import vllm_ops as V
+    from zerodiff.model import baseline_cuda as BC
+
+    monkeypatch.setattr(V, "STATUS", {})
+    monkeypatch.setattr(V, "_LOADED", {})
+    monkeypatch.setattr(V, "_PROBED", {})
+    monkeypatch.setattr(BC, "CHOICES", {})
+    return V, BC
+
+
+def test_vllm_ops_policy_and_cpu_status(fresh_vllm_ops, monkeypatch):
+    V, BC = fresh_vllm_ops
+    monkeypatch.setenv("ZERODIFF_BASELINE_VLLM_OPS", "bogus")
+    with pytest.raises(ValueError, match="ZERODIFF_BASELINE_VLLM_OPS"):
+        V.policy()
+    monkeypatch.setenv("ZERODIFF_BASELINE_VLLM_OPS", "auto")
+    if not torch.cuda.is_available():
+        assert V.library("_C") is None and "no CUDA" in V.STATUS["_C"]
+    monkeypatch.setenv("ZERODIFF_BASELINE_VLLM_OPS", "off")
+    V._LOADED.clear()
+    assert V.library("_moe_C") is None and "off" in V.STATUS["_moe_C"]
+
+
+def test_baseline_vllm_op_fallback_is_recorded_and_require_fails_closed(fresh_vllm_ops, monkeypatch):
+    V, BC = fresh_vllm_ops
+    monkeypatch.setattr(V, "library", lambda ns: None)
+    V.STATUS["_C"] = "not found: test"
+    s = torch.randn(3, 40)
+    lens = torch.tensor([40, 5, 17])
+    idx = BC.topk_rows(s, 8, lens)
+    assert idx.dtype == torch.int32 and idx.shape == (3, 8)
+    assert (idx[1, 5:] == -1).all() and (idx[1, :5] >= 0).all() and (idx[1, :5] < 5).all()
+    assert torch.equal(idx[0].sort().values.long(), torch.topk(s[0], 8).indices.sort().values)
+    assert "torch.topk" in BC.CHOICES[("dsa top-k",)] and "not found: test" in BC.CHOICES[("dsa top-k",)]
+    monkeypatch.setenv("ZERODIFF_BASELINE_VLLM_OPS", "require")
+    with pytest.raises(BC.BaselineUnavailable, match="require"):
+        BC.route_sigmoid(torch.randn(4, 8), torch.zeros(8), 2, 2.5)
+
+
+def test_baseline_vllm_op_probe_failure_falls_back(fresh_vllm_ops, monkeypatch):
+    V, BC = fresh_vllm_ops
+    monkeypatch.setattr(V, "library", lambda ns: object())  # "loaded", but the op call below fails
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    w = torch.rand(16, dtype=torch.bfloat16) + 0.5
+    y = BC.rms_norm(x, w, 1e-6)  # torch.ops._C.rms_norm is not registered on this machine -> probe fails
+    ref = torch.nn.functional.rms_norm(x.float(), (16,), w.float(), 1e-6).to(torch.bfloat16)
+    assert torch.equal(y, ref)
+    assert V.STATUS["rms norm"].startswith("probe FAILED") and "probe" in BC.CHOICES[("rms norm",)]
+    assert V.probe_once("rms norm", None, None, None) is False  # decided once per process
+    ok = V.probe_once("toy", lambda: torch.ones(2), lambda: torch.ones(2), BC._close(1e-3))
+    assert ok and V.STATUS["toy"].startswith("probe passed")
+    w_, ids = BC.route_sigmoid(torch.randn(5, 8), torch.randn(8), 2, 2.5)  # torch path after a failed probe
+    assert ids.dtype == torch.int32 and torch.allclose(w_.sum(1), torch.full((5,), 2.5))
+
+
+def test_split_rows_and_vs_vllm():
+    from zerodiff.model import baseline_cuda as BC
+
+    d, p = BC.split_rows([4, 1], 6, "cpu")
+    assert d.tolist() == [4, 1] and p.tolist() == [0, 2, 3, 5]
+    rows = BC.vs_vllm()
+    ops = {r["op"] for r in rows}
+    assert {"rms norm", "silu*mul -> fp8", "dsa top-k", "expert routing", "mhc pre", "attention"} <= ops
+    assert all(set(r) == {"op", "harness", "vllm", "note"} for r in rows)
