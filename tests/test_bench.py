@@ -343,3 +343,11 @@ def test_split_rows_and_vs_vllm():
     ops = {r["op"] for r in rows}
     assert {"rms norm", "silu*mul -> fp8", "dsa top-k", "expert routing", "mhc pre", "attention"} <= ops
     assert all(set(r) == {"op", "harness", "vllm", "note"} for r in rows)
+
+
+def test_bench_time_budget_stops_and_skips_the_profiler(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e_cli, "_over_budget", lambda args, t0, last_s: True)
+    out = tmp_path / "b.json"
+    assert e2e_cli.main(["bench", *SMALL, "--steps", "5", "--time-budget", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["steps_run"] == 1 and doc["stopped_by_time_budget"] and "skipped" in doc["profile"]

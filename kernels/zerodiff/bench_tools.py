@@ -59,7 +59,7 @@ def default_cache_dirs() -> dict:
     return dirs
 
 
-def _entries(root: str, depth: int = 3) -> set:
+def _entries(root: str, depth: int = 2) -> set:
     """Relative paths of the entries under ``root`` down to ``depth`` levels (empty when it does not exist)."""
     out = set()
     if not root or not os.path.isdir(root):

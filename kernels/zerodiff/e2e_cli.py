@@ -669,7 +669,12 @@ def cmd_bench(args) -> int:
             _write_json(args.json_path, doc_now())
             last_s = time.perf_counter() - ts
         if rows and args.profile_steps > 0:
-            info["profile"] = _profile_pass(args, runs, [r["step"] for r in rows][: args.profile_steps], cuda, det)
+            if _over_budget(args, t0, min(args.profile_steps, len(rows)) * last_s):
+                info["profile"] = {"skipped": "the time budget leaves no room for the profiler pass"}
+                _log(args, "profiler pass skipped: the time budget leaves no room for it")
+            else:
+                info["profile"] = _profile_pass(args, runs, [r["step"] for r in rows][: args.profile_steps], cuda,
+                                                det)
     if not rows:
         print("zerodiff bench: no timed step completed", flush=True)
         _write_json(args.json_path, doc_now())
@@ -689,7 +694,7 @@ def cmd_bench(args) -> int:
     if dev_ratio is not None:
         print(f"model forward event time baseline / consistent (median per step; CUDA events around each forward, "
               f"GPU idle gaps while the host enqueues included, scheduling and sampling excluded): {dev_ratio:.3f}")
-    if info["profile"]:
+    if info["profile"] and "skipped" not in info["profile"]:
         p = info["profile"]
         for m in modes:
             for line in bt.format_breakdown(m, p[m]):
