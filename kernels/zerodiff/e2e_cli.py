@@ -22,10 +22,21 @@ locate
     output recorded per token; JSON naming the first op whose bits differ. Exit 0 when none differs.
 bench
     Rollout output tokens/s of the consistent mode vs the baseline mode on the same requests in one run
-    (weights fixed, no updates), with the per-step diff of each mode; JSON plus a PNG plot (matplotlib when
-    importable, otherwise the PNG is skipped with a message). Every decode graph of both modes is captured
-    before timing; the host-synchronising input-value checks of the cache ops are off in both modes; the
-    baseline kernels that actually ran (per op and shape) are printed and stored.
+    (weights fixed, no updates). Every decode graph of both modes is captured first; then per step the step's
+    request set runs once untimed in each mode (the exact warm-up: the same shapes, batch sizes and kernels as
+    the timed run), then both modes are timed back to back with the order alternating per step (default 20
+    steps), then each mode's training forward gives the per-step diff (untimed). Any compilation inside a timed
+    rollout (Triton cache miss, new Triton / DeepGEMM JIT cache entry, graph capture;
+    :class:`zerodiff.bench_tools.JitDetector`) FAILS the run: exit 1, ``compiled_during_timing`` in the JSON.
+    Reported: the median per-step ratio with its 95% order-statistic and bootstrap intervals, min/max, the
+    forward event-time ratio (CUDA events, GPU idle gaps included), and a ``torch.profiler`` pass over
+    ``--profile-steps`` request sets per mode: GPU kernel time per kernel and per zerodiff op
+    (``profile``). The host-synchronising input-value checks of the cache ops are off in both modes; the
+    baseline kernels that ran (per op and shape) and ``baseline_vs_vllm`` are stored. JSON plus a PNG plot
+    (matplotlib when importable, otherwise skipped with a message).
+--prompts / --max-batch / --token-budget / --graph-batch-sizes / --kv-blocks (check, bench)
+    The rollout concurrency (:func:`zerodiff.bench_tools.apply_rollout_settings`); impossible combinations are
+    refused with exit 2 and a message naming the option.
 --time-budget SECONDS (both)
     Stop cleanly before a step that would end past SECONDS since the command started; the steps that ran are
     reported and decide the verdict (at least one must have run); the JSON is rewritten after every step.
