@@ -223,7 +223,7 @@ def register(subparsers) -> None:
     b.add_argument("--profile-decode", default="eager-static", choices=["eager-static", "replay"],
                    help="pure-decode steps in the profiler pass: eager-static runs the captured graphs' padded static "
                         "step eagerly (the same kernels, each attributed to its op; default), replay replays the "
-                        "graphs (their kernels count under the op that launched the replay)")
+                        "graphs (kernel time is the same; per op, graph kernels show as not attributed)")
     b.add_argument("--png", default=None, help="write the per-step throughput/diff plot here")
     b.set_defaults(func=cmd_bench)
 
