@@ -4,9 +4,11 @@ profiler pass's per-kernel / per-op GPU time breakdown, and the rollout concurre
 JIT detector (:class:`JitDetector`)
     Watches every way the harness can compile while it runs: Triton's in-memory kernel-cache misses (a wrapper
     around ``triton.runtime.jit.JITFunction._do_compile``, the function every cache miss goes through in Triton
-    3.2-3.8, whether the binary then comes from the disk cache or from a real compilation), new entries in the
-    on-disk JIT caches (Triton's cache dir, DeepGEMM's ``DG_JIT_CACHE_DIR`` / ``~/.deep_gemm``, any extra dir),
-    and CUDA-graph captures (``note``). Events are tagged with the window they happened in (``window(label)``);
+    3.2-3.8, whether the binary then comes from the disk cache or from a real compilation), CPU time of child
+    processes (DeepGEMM's JIT runs nvcc, Triton runs ptxas, both as child processes), new entries in the on-disk
+    JIT caches (Triton's cache dir, DeepGEMM's ``DG_JIT_CACHE_DIR`` / ``~/.deep_gemm``, any extra dir; counted
+    when the window also shows this process compiling, or always with ``strict``), and CUDA-graph captures
+    (``note``). Events are tagged with the window they happened in (``window(label)``);
     :meth:`JitDetector.during` lists the ones of a given label. A DeepGEMM kernel loaded from its disk cache into
     a fresh process leaves no trace in its cache dir: that load is not detected (the exact warm-up runs every
     timed shape first, so it happens before timing).
@@ -81,12 +83,27 @@ def _entries(root: str, depth: int = 2) -> set:
     return out
 
 
-class JitDetector:
-    """Record compilations per labelled window; see the module docstring for what is watched."""
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's terminated, waited-for child processes (and theirs): nvcc / ptxas runs."""
+    import resource
 
-    def __init__(self, cache_dirs: dict | None = None):
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+class JitDetector:
+    """Record compilations per labelled window; see the module docstring for what is watched.
+
+    ``strict``: every new cache-dir entry found after a window counts as a compilation in it. Otherwise (the
+    default) a new entry counts only when the window also shows this process compiling (a Triton cache miss,
+    or child-process CPU time: the compilers Triton and DeepGEMM start, ptxas / nvcc); entries without that
+    evidence were written by another process sharing the cache dir and are listed in :attr:`foreign`."""
+
+    def __init__(self, cache_dirs: dict | None = None, strict: bool = False):
         self.dirs = dict(default_cache_dirs() if cache_dirs is None else cache_dirs)
         self.events: list = []  # dicts: window, kind, what
+        self.foreign: list = []  # new cache entries without in-process evidence (non-strict)
+        self.strict = bool(strict)
         self.label = None
         self._orig = None
         self.triton_hook = False
@@ -132,20 +149,29 @@ class JitDetector:
 
     @contextlib.contextmanager
     def window(self, label: str):
-        """Events inside the body are tagged ``label``; new cache-dir entries found after it are too."""
+        """Events inside the body are tagged ``label``; so are child-process CPU time spent in it and the new
+        cache-dir entries found after it (see the class docstring for when an entry counts)."""
         before = {k: _entries(p) for k, p in self.dirs.items()}
+        n0 = len(self.events)
+        c0 = _children_cpu_s()
         prev, self.label = self.label, label
         try:
             yield self
         finally:
             self.label = prev
+            dc = _children_cpu_s() - c0
+            if dc > 0:
+                self.events.append({"window": label, "kind": "child processes",
+                                    "what": f"{dc:.3f} s CPU of child processes (a compiler run: nvcc / ptxas)"})
+            ours = self.strict or len(self.events) > n0
             for k, p in self.dirs.items():
                 new = sorted(_entries(p) - before[k])
+                sink = self.events if ours else self.foreign
                 for n in new[:50]:
-                    self.events.append({"window": label, "kind": f"new {k} entry", "what": os.path.join(p, n)})
+                    sink.append({"window": label, "kind": f"new {k} entry", "what": os.path.join(p, n)})
                 if len(new) > 50:
-                    self.events.append({"window": label, "kind": f"new {k} entry",
-                                        "what": f"... and {len(new) - 50} more under {p}"})
+                    sink.append({"window": label, "kind": f"new {k} entry",
+                                 "what": f"... and {len(new) - 50} more under {p}"})
 
     def during(self, prefix: str) -> list:
         """Events of the windows whose label starts with ``prefix``."""
@@ -155,7 +181,11 @@ class JitDetector:
         per = defaultdict(int)
         for e in self.events:
             per[f"{str(e['window']).split(':')[0]}: {e['kind']}"] += 1
-        return {"watched_dirs": self.dirs, "triton_hook": self.triton_hook, "counts": dict(per)}
+        return {"watched_dirs": self.dirs, "triton_hook": self.triton_hook, "strict_cache_dirs": self.strict,
+                "counts": dict(per), "foreign_cache_entries": len(self.foreign),
+                "foreign_examples": self.foreign[:10],
+                "foreign_note": ("new cache entries seen while no compilation of this process was observed (another "
+                                 "process shares the cache dir); not counted unless --strict-cache-dirs")}
 
 
 # ---- statistics ---------------------------------------------------------------------------------------------------
