@@ -56,6 +56,11 @@ def test_settings_refused_with_the_setting_named(kw, names):
         assert n in str(ei.value)
 
 
+def test_settings_other_options_leave_the_preset_concurrency_alone():
+    p = bt.apply_rollout_settings(preset("h200"), kv_blocks=2000)  # h200: max_batch (2, 8) over 6 requests
+    assert p.rollout.num_blocks == 2000 and p.rollout.max_batch == (2, 8)
+
+
 def test_cli_refuses_impossible_concurrency(capsys):
     with pytest.raises(SystemExit) as ei:
         e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--quiet", "--max-batch", "2,20"])

@@ -405,8 +405,9 @@ def apply_rollout_settings(preset, *, prompts=None, max_batch=None, token_budget
     """The preset with the given rollout settings (strings as on the command line, or None = the preset's).
 
     When any is given the combination is validated (:class:`SettingError` names the setting): the highest
-    concurrency must not exceed the requests per step (``prompts x responses_per_prompt``) nor the token budget's
-    low end (a decode step of HI requests must fit any drawn budget); the CUDA-graph sizes must cover it (by
+    concurrency must not exceed the requests per step (``prompts x responses_per_prompt``; checked when
+    ``max_batch`` or ``prompts`` is given) nor the token budget's low end (a decode step of HI requests must fit
+    any drawn budget; checked when ``max_batch`` or ``token_budget`` is given); the CUDA-graph sizes must cover it (by
     default they are extended with powers of two up to the first >= HI); the KV cache must hold HI requests of
     the longest length (by default it is enlarged to that; an explicit ``kv_blocks`` below it is refused). The
     returned preset records nothing else: the caller reports the settings."""
@@ -427,12 +428,12 @@ def apply_rollout_settings(preset, *, prompts=None, max_batch=None, token_budget
     rc = dataclasses.replace(rc, **ch)
     hi = rc.max_batch[1]
     nreq = rc.prompts_per_step * rc.responses_per_prompt
-    if hi > nreq:
+    if (max_batch is not None or prompts is not None) and hi > nreq:
         raise SettingError(
             f"zerodiff: --max-batch {rc.max_batch[0]},{hi}: a step has only {nreq} requests (--prompts "
             f"{rc.prompts_per_step} x {rc.responses_per_prompt} responses per prompt), so {hi} concurrent requests "
             f"are never reached; use --prompts {-(-hi // rc.responses_per_prompt)} or more")
-    if rc.token_budget[0] < hi:
+    if (max_batch is not None or token_budget is not None) and rc.token_budget[0] < hi:
         raise SettingError(
             f"zerodiff: --token-budget {rc.token_budget[0]},{rc.token_budget[1]}: its low end is below --max-batch "
             f"{hi}, so a decode step of {hi} requests may not be scheduled whole; raise --token-budget to >= {hi}")
