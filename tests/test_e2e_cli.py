@@ -63,7 +63,8 @@ def test_cli_restores_thread_count():
 
 def test_bench_cpu_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = e2e_cli.main(["bench", "--config", "cpu", "--steps", "3", "--warmup", "0", "--quiet", "--json", str(out),
+    rc = e2e_cli.main(["bench", "--config", "cpu", "--prompts", "3", "--max-batch", "2,6", "--steps", "3",
+                       "--warmup", "0", "--profile-steps", "0", "--quiet", "--json", str(out),
                        "--png", str(tmp_path / "b.png")])
     assert rc == 0
     doc = json.loads(out.read_text())

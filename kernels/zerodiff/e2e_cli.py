@@ -22,10 +22,21 @@ locate
     output recorded per token; JSON naming the first op whose bits differ. Exit 0 when none differs.
 bench
     Rollout output tokens/s of the consistent mode vs the baseline mode on the same requests in one run
-    (weights fixed, no updates), with the per-step diff of each mode; JSON plus a PNG plot (matplotlib when
-    importable, otherwise the PNG is skipped with a message). Every decode graph of both modes is captured
-    before timing; the host-synchronising input-value checks of the cache ops are off in both modes; the
-    baseline kernels that actually ran (per op and shape) are printed and stored.
+    (weights fixed, no updates). Every decode graph of both modes is captured first; then per step the step's
+    request set runs once untimed in each mode (the exact warm-up: the same shapes, batch sizes and kernels as
+    the timed run), then both modes are timed back to back with the order alternating per step (default 20
+    steps), then each mode's training forward gives the per-step diff (untimed). Any compilation inside a timed
+    rollout (Triton cache miss, new Triton / DeepGEMM JIT cache entry, graph capture;
+    :class:`zerodiff.bench_tools.JitDetector`) FAILS the run: exit 1, ``compiled_during_timing`` in the JSON.
+    Reported: the median per-step ratio with its 95% order-statistic and bootstrap intervals, min/max, the
+    forward event-time ratio (CUDA events, GPU idle gaps included), and a ``torch.profiler`` pass over
+    ``--profile-steps`` request sets per mode: GPU kernel time per kernel and per zerodiff op
+    (``profile``). The host-synchronising input-value checks of the cache ops are off in both modes; the
+    baseline kernels that ran (per op and shape) and ``baseline_vs_vllm`` are stored. JSON plus a PNG plot
+    (matplotlib when importable, otherwise skipped with a message).
+--prompts / --max-batch / --token-budget / --graph-batch-sizes / --kv-blocks (check, bench)
+    The rollout concurrency (:func:`zerodiff.bench_tools.apply_rollout_settings`); impossible combinations are
+    refused with exit 2 and a message naming the option.
 --time-budget SECONDS (both)
     Stop cleanly before a step that would end past SECONDS since the command started; the steps that ran are
     reported and decide the verdict (at least one must have run); the JSON is rewritten after every step.
@@ -90,6 +101,43 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "top Python functions (cProfile)")
 
 
+def _rollout_opts(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("rollout concurrency (default: the preset's; any of them validates the combination)")
+    g.add_argument("--prompts", type=int, default=None, metavar="N",
+                   help="prompts per step (each sampled responses_per_prompt times): the request set of a step")
+    g.add_argument("--max-batch", default=None, metavar="LO,HI",
+                   help="running requests per engine step, drawn per step from LO..HI (or N for N,N); refused when HI "
+                        "exceeds the requests per step or the token budget's low end")
+    g.add_argument("--token-budget", default=None, metavar="LO,HI", help="tokens per engine step, drawn from LO..HI")
+    g.add_argument("--graph-batch-sizes", default=None, metavar="S1,S2,...",
+                   help="padded batch sizes with a captured decode graph (default: the preset's, extended with powers "
+                        "of two up to the first >= the --max-batch high end)")
+    g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                   help="KV cache blocks (default: the preset's, enlarged to what --max-batch needs; an explicit N "
+                        "below that is refused)")
+
+
+def _rollout_preset(cfg_name, args):
+    """The preset with the rollout concurrency options applied (exit 2 with the message on an impossible one)."""
+    from .bench_tools import SettingError, apply_rollout_settings
+    from .model.config import preset as get_preset
+
+    try:
+        return apply_rollout_settings(get_preset(cfg_name), prompts=getattr(args, "prompts", None),
+                                      max_batch=getattr(args, "max_batch", None),
+                                      token_budget=getattr(args, "token_budget", None),
+                                      graph_batch_sizes=getattr(args, "graph_batch_sizes", None),
+                                      kv_blocks=getattr(args, "kv_blocks", None))
+    except SettingError as e:
+        print(str(e), file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _rollout_given(args) -> bool:
+    return any(getattr(args, k, None) is not None
+               for k in ("prompts", "max_batch", "token_budget", "graph_batch_sizes", "kv_blocks"))
+
+
 def register(subparsers) -> None:
     c = subparsers.add_parser(
         "check", help="run N RL steps and verify rollout/training log-probs are bit-identical (diff = 0)",
@@ -99,6 +147,7 @@ def register(subparsers) -> None:
         "With --baseline (negative control, stock kernels on both sides) the exit status is 0 only if diff > 0 "
         "WAS observed, i.e. the check can see a difference.")
     _common(c)
+    _rollout_opts(c)
     c.add_argument("--steps", type=int, default=3, help="RL steps (default 3; per seed)")
     c.add_argument("--seeds", type=int, default=1, metavar="N",
                    help="run the check for N seeds (--seed, --seed+1, ...), each a fresh run of --steps steps; "
@@ -156,10 +205,36 @@ def register(subparsers) -> None:
         description="Rollout output tokens/s of the consistent mode vs the stock baseline on the same requests in "
         "one run, plus the per-step diff of each mode. Writes JSON and a PNG plot (if matplotlib is importable).")
     _common(b)
-    b.add_argument("--steps", type=int, default=3, help="steps (request sets) to time (default 3)")
-    b.add_argument("--warmup", type=int, default=1, help="untimed warm-up steps per mode (default 1)")
+    _rollout_opts(b)
+    b.add_argument("--steps", type=int, default=20,
+                   help="steps (request sets) to time, each in both modes, interleaved with the order alternating per "
+                        "step (default 20)")
+    b.add_argument("--warmup", type=int, default=0,
+                   help="extra untimed warm-up request sets per mode, on top of the exact warm-up (default 0)")
+    b.add_argument("--no-exact-warmup", action="store_true",
+                   help="skip running every timed request set once untimed per mode before timing (then a compilation "
+                        "during timing is likely, and it fails the run)")
+    b.add_argument("--watch-cache-dir", action="append", default=[], metavar="DIR",
+                   help="also watch DIR for new JIT cache entries during timing (repeatable; Triton's and DeepGEMM's "
+                        "cache dirs are always watched)")
+    b.add_argument("--strict-cache-dirs", action="store_true",
+                   help="count every new JIT cache entry found after a timed rollout as a compilation in it, even "
+                        "without in-process evidence (use when no other process shares the cache dirs)")
+    b.add_argument("--profile-steps", type=int, default=2, metavar="K",
+                   help="after timing, run K request sets per mode under torch.profiler for the per-kernel / per-op "
+                        "time breakdown (default 2; 0: none)")
+    b.add_argument("--profile-decode", default="eager-static", choices=["eager-static", "replay"],
+                   help="pure-decode steps in the profiler pass: eager-static runs the captured graphs' padded static "
+                        "step eagerly (the same kernels, each attributed to its op; default), replay replays the "
+                        "graphs (kernel time is the same; per op, graph kernels show as not attributed)")
     b.add_argument("--png", default=None, help="write the per-step throughput/diff plot here")
     b.set_defaults(func=cmd_bench)
+
+
+def _settings_doc(preset) -> dict:
+    from .bench_tools import rollout_settings_doc
+
+    return rollout_settings_doc(preset)
 
 
 def _log(args, msg):
@@ -235,13 +310,14 @@ TRAIN_PACKINGS = {
 }
 
 
-def _packed_preset(cfg_name: str, packing: str, micro_tokens=None):
-    """The preset with the training packing of ``--train-packing`` / ``--micro-tokens`` applied."""
+def _packed_preset(cfg_name: str, packing: str, micro_tokens=None, base=None):
+    """The preset (``base``, else the named one) with the training packing of ``--train-packing`` /
+    ``--micro-tokens`` applied."""
     import dataclasses
 
     from .model.config import preset as get_preset
 
-    p = get_preset(cfg_name)
+    p = base if base is not None else get_preset(cfg_name)
     rc = p.rollout
     mt = micro_tokens or p.train.micro_tokens
     if packing == "all":
@@ -268,7 +344,7 @@ def cmd_check(args) -> int:
     if n_seeds > 1 and (args.resume or args.save):
         raise SystemExit("zerodiff: --seeds N > 1 cannot be combined with --resume / --save")
     packing = getattr(args, "train_packing", None) or "greedy"
-    preset = _packed_preset(cfg_name, packing, getattr(args, "micro_tokens", None))
+    preset = _packed_preset(cfg_name, packing, getattr(args, "micro_tokens", None), base=_rollout_preset(cfg_name, args))
     t0 = time.perf_counter()
     reports, failure, restored_at = [], None, None
     per_seed, probes = [], []
@@ -289,6 +365,7 @@ def cmd_check(args) -> int:
             "interim_ops": list(CPU_EXACT_OPS), "baseline_choice": BASELINE_CHOICE if args.baseline else None,
             "baseline_kernels_ran": _baseline_kernels() if args.baseline else None,
             "control_probe": probes if args.baseline else None,
+            "rollout_settings": _settings_doc(preset),
         }
 
     with _cpu_threads(device):
@@ -297,7 +374,8 @@ def cmd_check(args) -> int:
                 break
             n_before = len(reports)
             if args.resume:
-                explicit = packing != "greedy" or getattr(args, "micro_tokens", None)  # else the checkpoint's own
+                explicit = (packing != "greedy" or getattr(args, "micro_tokens", None)
+                            or _rollout_given(args))  # else the checkpoint's own
                 run = RLRun.load(args.resume, device, preset=preset if explicit else None)
                 _log(args, f"resumed {args.resume} at step {run.step}")
             else:
@@ -454,7 +532,11 @@ def cmd_locate(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    """See the module docstring (bench) and docs/benchmarks.md: warm-up, interleaved timing, JIT detector,
+    confidence interval, profiler breakdown."""
     variants = _kernel_variants(args)
+    from . import bench_tools as bt
+    from .model import ops as model_ops
     from .model.config import default_preset_name
     from .rl.loop import RLRun
     from .rl.report import diff_report
@@ -462,128 +544,270 @@ def cmd_bench(args) -> int:
     cfg_name = args.config or default_preset_name()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = str(device).startswith("cuda")
-    rows = []
+    preset = _rollout_preset(cfg_name, args)
+    if args.steps < 1:
+        print("zerodiff: --steps must be >= 1", file=sys.stderr)
+        return 2
+    modes = ("consistent", "baseline")
+    rows: list = []
     t0 = time.perf_counter()
     stopped_by_budget = False
-    from .model.ops import BASELINE_CHOICE, CPU_EXACT_OPS
+    det = bt.JitDetector(strict=args.strict_cache_dirs)
+    for d in args.watch_cache_dir:
+        det.dirs[f"extra {d}"] = d
+    info: dict = {"graphs": {}, "profile": None}
 
-    def doc_now(tot=None, ratio=None, pooled=None, dev_ratio=None):
+    def compiled():
+        return det.during("timed:")
+
+    def doc_now(tot=None, summary=None, pooled=None, dev_ratio=None):
+        prof = info["profile"]
         return {
             "command": "bench", "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "device": _device_name(device), "config": cfg_name, "seed": args.seed, "rows": rows,
             "steps": args.steps, "steps_run": len(rows), "stopped_by_time_budget": stopped_by_budget,
+            "rollout_settings": _settings_doc(preset),
+            "timing": ("wall time of one mode's whole rollout of a step's request set (scheduling, sampling, host "
+                       "work and GPU work), between torch.cuda.synchronize() calls on CUDA; the two modes alternate "
+                       "which runs first from step to step"),
+            "warmup": {"exact": not args.no_exact_warmup, "extra_sets": args.warmup,
+                       "what": ("every timed request set runs once untimed in each mode right before it is timed "
+                                "(the same requests and schedule: every padded batch size, token count and kernel "
+                                "shape the timed run meets), after every decode graph was captured"
+                                if not args.no_exact_warmup else "no exact warm-up (--no-exact-warmup)"),
+                       "compilations": len(det.during("warm")), "graphs_captured": info["graphs"]},
+            "jit_detector": det.summary(),
+            "compiled_during_timing": compiled(),
             "consistent_tok_per_s": tot and tot["consistent"], "baseline_tok_per_s": tot and tot["baseline"],
-            "ratio": ratio, "statistic": "median over timed steps (tok/s per mode; ratio = median of per-step ratios)",
-            "pooled_tok_per_s": pooled, "forward_device_ratio": dev_ratio, "baseline_choice": BASELINE_CHOICE, "baseline_kernels_ran": _baseline_kernels(),
-            "interim_ops": list(CPU_EXACT_OPS), "torch": torch.__version__, "kernel_variants": variants,
+            "ratio": summary and summary["median"],
+            "ratio_ci95": summary and {"order_statistic": summary["ci95_order_statistic"],
+                                       "bootstrap": summary["ci95_bootstrap"]},
+            "ratio_min": summary and summary["min"], "ratio_max": summary and summary["max"],
+            "statistic": ("median over timed steps (tok/s per mode; ratio = median of the per-step ratios consistent "
+                          "tok/s / baseline tok/s, with its 95% confidence interval)"),
+            "pooled_tok_per_s": pooled,
+            "forward_device_ratio": dev_ratio,
+            "forward_device_measure": ("CUDA events around each engine step's model forward, baseline / consistent: "
+                                       "the GPU timeline from the forward's first to its last kernel, INCLUDING the "
+                                       "idle gaps while the host enqueues eager steps; scheduling and sampling are "
+                                       "outside the events"),
+            "profile": prof,
+            "baseline_choice": model_ops.BASELINE_CHOICE, "baseline_kernels_ran": _baseline_kernels(),
+            "baseline_vs_vllm": _baseline_vs_vllm(),
+            "interim_ops": list(model_ops.CPU_EXACT_OPS), "torch": torch.__version__,
+            "kernel_variants": variants,
             "rollout_value_checks": "off in both modes (kv_cache / indexer host-side input checks sync the host)",
             "elapsed_s": round(time.perf_counter() - t0, 2),
         }
 
-    with _cpu_threads(device):
-        runs = {m: RLRun(cfg_name, args.seed, m, device) for m in ("consistent", "baseline")}
-        _log(args, f"zerodiff bench: config={cfg_name} device={_device_name(device)}; both modes ready "
-                   f"({time.perf_counter() - t0:.1f} s)")
-        for run in runs.values():  # no host-synchronising input-value checks in the timed rollouts (both modes)
-            run.engine.cache.check = False
-            run.engine.time_device = cuda  # CUDA events around each engine forward: the GPU-side share
-        for m, run in runs.items():  # capture every decode graph before anything is timed
-            if run.engine.graphs is not None and not run.engine.emulate_graphs:
-                got = run.engine.graphs.capture_all()
-                _log(args, f"{m}: CUDA graphs captured for batch sizes {sorted(got)}"
-                           + (f"; FAILED: {run.engine.graphs.disabled}" if run.engine.graphs.disabled else "")
-                           + f" ({time.perf_counter() - t0:.1f} s)")
-        last_s = 0.0
-
-        def timed(run, s):
+    def rollout(m, s, label):
+        """One untimed or timed rollout of request set ``s`` in mode ``m`` inside a detector window."""
+        run = runs[m]
+        g = run.engine.graphs
+        before = set(g.graphs) if g is not None else set()
+        with det.window(f"{label}:{s}:{m}"):
             if cuda:
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            reqs, out = run.rollout(s)
+            _reqs, out = run.rollout(s)
             if cuda:
                 torch.cuda.synchronize()
-            return out, time.perf_counter() - t
+            dt = time.perf_counter() - t
+        if g is not None and set(g.graphs) - before:
+            det.events.append({"window": f"{label}:{s}:{m}", "kind": "cuda_graph_capture",
+                               "what": f"batch sizes {sorted(set(g.graphs) - before)}"})
+        return out, dt
 
-        for s in range(-args.warmup, args.steps):
+    with _cpu_threads(device), det:
+        runs = {m: RLRun(preset, args.seed, m, device) for m in modes}
+        _log(args, f"zerodiff bench: config={cfg_name} device={_device_name(device)} "
+                   f"settings={_settings_doc(preset)}; both modes ready ({time.perf_counter() - t0:.1f} s)")
+        for run in runs.values():  # no host-synchronising input-value checks in the timed rollouts (both modes)
+            run.engine.cache.check = False
+            run.engine.time_device = cuda  # CUDA events around each engine forward
+        for m, run in runs.items():  # capture every decode graph before anything is timed
+            if run.engine.graphs is not None and not run.engine.emulate_graphs:
+                with det.window(f"warm-capture:{m}"):
+                    got = run.engine.graphs.capture_all()
+                info["graphs"][m] = sorted(k for k, v in got.items() if v is None)
+                _log(args, f"{m}: CUDA graphs captured for batch sizes {sorted(got)}"
+                           + (f"; FAILED: {run.engine.graphs.disabled}" if run.engine.graphs.disabled else "")
+                           + f" ({time.perf_counter() - t0:.1f} s)")
+        for i in range(args.warmup):
+            for m in modes:
+                rollout(m, 1000 + i, "warm-extra")
+        last_s = 0.0
+        for s in range(args.steps):
             if s >= 1 and _over_budget(args, t0, last_s):
                 stopped_by_budget = True
                 _log(args, f"time budget {args.time_budget:.0f} s: stopping cleanly after {len(rows)} timed steps")
                 break
             ts = time.perf_counter()
-            row = {"step": s}
-            for m, run in runs.items():
-                out, dt = timed(run, max(s, 0) + 1000 * (s < 0))
+            if not args.no_exact_warmup:
+                for m in modes:
+                    rollout(m, s, "warm")
+            order = modes if s % 2 == 0 else modes[::-1]
+            row = {"step": s, "first": order[0]}
+            outs = {}
+            for m in order:
+                out, dt = rollout(m, s, "timed")
+                run = runs[m]
+                outs[m] = out
                 ntok = sum(len(o.response) for o in out.values())
                 row[f"{m}_tok_per_s"] = ntok / dt
                 row[f"{m}_s"] = dt
                 row["tokens"] = ntok
                 row[f"{m}_engine_steps"] = run.engine.stats["steps"]
+                row[f"{m}_max_batch_seen"] = max(run.engine.stats["batch_sizes"] or [0])
+                row[f"{m}_graph_steps"] = run.engine.stats["graph_steps"]
                 if "forward_device_s" in run.engine.stats:
                     row[f"{m}_forward_device_s"] = run.engine.stats["forward_device_s"]
-                if s >= 0:
-                    seqs = [(k, o.prompt, o.response) for k, o in sorted(out.items())]
-                    lp_t = run.trainer.run(seqs, pack_seed=s + 17, grad=False)
-                    rep = diff_report({k: o.logprobs for k, o in out.items()}, lp_t)
-                    row[f"{m}_probs_diff_max"] = rep["training/rollout_probs_diff_max"]
-                    row[f"{m}_tokens_differ"] = rep["tokens_differ"]
-            if s >= 0:
-                row["ratio"] = row["consistent_tok_per_s"] / row["baseline_tok_per_s"]
-                if "consistent_forward_device_s" in row and "baseline_forward_device_s" in row:
-                    # forward GPU time baseline / consistent: the ratio without the host-side engine work
-                    row["forward_device_ratio"] = row["baseline_forward_device_s"] / row["consistent_forward_device_s"]
-                rows.append(row)
-                _log(args, f"step {s}: consistent {row['consistent_tok_per_s']:.1f} tok/s, baseline "
-                           f"{row['baseline_tok_per_s']:.1f} tok/s, ratio {row['ratio']:.3f}; diff max consistent "
-                           f"{row['consistent_probs_diff_max']:.3g} baseline {row['baseline_probs_diff_max']:.3g} "
-                           f"t={time.perf_counter() - t0:.0f}s")
-                _write_json(args.json_path, doc_now())
+            for m in modes:  # the per-step diff of each mode (untimed)
+                out = outs[m]
+                seqs = [(k, o.prompt, o.response) for k, o in sorted(out.items())]
+                lp_t = runs[m].trainer.run(seqs, pack_seed=s + 17, grad=False)
+                rep = diff_report({k: o.logprobs for k, o in out.items()}, lp_t)
+                row[f"{m}_probs_diff_max"] = rep["training/rollout_probs_diff_max"]
+                row[f"{m}_tokens_differ"] = rep["tokens_differ"]
+            row["ratio"] = row["consistent_tok_per_s"] / row["baseline_tok_per_s"]
+            if "consistent_forward_device_s" in row and "baseline_forward_device_s" in row:
+                row["forward_device_ratio"] = row["baseline_forward_device_s"] / row["consistent_forward_device_s"]
+            row["compiled_during_timing"] = len(det.during(f"timed:{s}:"))
+            rows.append(row)
+            _log(args, f"step {s} ({order[0]} first): consistent {row['consistent_tok_per_s']:.1f} tok/s, baseline "
+                       f"{row['baseline_tok_per_s']:.1f} tok/s, ratio {row['ratio']:.3f}; max batch "
+                       f"{row['consistent_max_batch_seen']}; diff max consistent "
+                       f"{row['consistent_probs_diff_max']:.3g} baseline {row['baseline_probs_diff_max']:.3g}"
+                       + (f"; COMPILED DURING TIMING: {row['compiled_during_timing']}"
+                          if row["compiled_during_timing"] else "") + f" t={time.perf_counter() - t0:.0f}s")
+            _write_json(args.json_path, doc_now())
             last_s = time.perf_counter() - ts
+        if rows and args.profile_steps > 0:
+            if _over_budget(args, t0, min(args.profile_steps, len(rows)) * last_s):
+                info["profile"] = {"skipped": "the time budget leaves no room for the profiler pass"}
+                _log(args, "profiler pass skipped: the time budget leaves no room for it")
+            else:
+                info["profile"] = _profile_pass(args, runs, [r["step"] for r in rows][: args.profile_steps], cuda,
+                                                det)
     if not rows:
         print("zerodiff bench: no timed step completed", flush=True)
         _write_json(args.json_path, doc_now())
         return 1
-    # medians over the timed steps (a one-off JIT compilation or allocator growth in one step of one mode must not
-    # decide the verdict); the pooled totals are kept in the JSON next to them
-    tot = {m: statistics.median(r[f"{m}_tok_per_s"] for r in rows) for m in ("consistent", "baseline")}
-    ratio = statistics.median(r["ratio"] for r in rows)
-    pooled = {m: sum(r["tokens"] for r in rows) / sum(r[f"{m}_s"] for r in rows) for m in ("consistent", "baseline")}
+    tot = {m: statistics.median(r[f"{m}_tok_per_s"] for r in rows) for m in modes}
+    summary = bt.ratio_summary([r["ratio"] for r in rows])
+    pooled = {m: sum(r["tokens"] for r in rows) / sum(r[f"{m}_s"] for r in rows) for m in modes}
     dev_ratio = (statistics.median(r["forward_device_ratio"] for r in rows)
                  if all("forward_device_ratio" in r for r in rows) else None)
-
+    ci, cb = summary["ci95_order_statistic"], summary["ci95_bootstrap"]
     print(f"rollout output tokens/s (median of {len(rows)} steps): consistent {tot['consistent']:.1f}, baseline "
-          f"{tot['baseline']:.1f}, ratio {ratio:.3f} (median of the per-step ratios; pooled "
+          f"{tot['baseline']:.1f}, ratio {summary['median']:.3f} (median of the per-step ratios; 95% CI "
+          f"[{ci['lo']:.3f}, {ci['hi']:.3f}] order statistics, coverage {ci['coverage']:.3f}; bootstrap "
+          f"[{cb['lo']:.3f}, {cb['hi']:.3f}]; min {summary['min']:.3f} max {summary['max']:.3f}; pooled "
           f"{pooled['consistent'] / pooled['baseline']:.3f}) "
           f"({'CPU reference backends: not a performance number' if not cuda else _device_name(device)})")
     if dev_ratio is not None:
-        print(f"model forward GPU time baseline / consistent (median per step; the engine's host work excluded): "
-              f"{dev_ratio:.3f}")
+        print(f"model forward event time baseline / consistent (median per step; CUDA events around each forward, "
+              f"GPU idle gaps while the host enqueues included, scheduling and sampling excluded): {dev_ratio:.3f}")
+    if info["profile"] and "skipped" not in info["profile"]:
+        p = info["profile"]
+        for m in modes:
+            for line in bt.format_breakdown(m, p[m]):
+                print(line)
+        if p.get("kernel_time_ratio") is not None:
+            print(f"profiled {p['source']} time baseline / consistent over the same request sets "
+                  f"({p['measure']}): {p['kernel_time_ratio']:.3f}")
     for k, v in _baseline_kernels().items():
         print(f"baseline kernel: {k}: {v}")
-    _write_json(args.json_path, doc_now(tot, ratio, pooled, dev_ratio))
+    bad = compiled()
+    passed = not bad
+    if det.foreign:
+        print(f"note: {len(det.foreign)} new JIT cache entries appeared while this process compiled nothing (another "
+              f"process shares the cache dir; not counted; --strict-cache-dirs counts them), e.g. "
+              f"{det.foreign[0]['what']}")
+    if bad:
+        print(f"FAIL: {len(bad)} compilation(s) during timing (the timed numbers include JIT work):", flush=True)
+        for e in bad[:20]:
+            print(f"  {e['window']}: {e['kind']}: {e['what']}")
+    _write_json(args.json_path, {**doc_now(tot, summary, pooled, dev_ratio), "passed": passed})
     if args.png:
-        try:
-            import matplotlib
+        _bench_png(args.png, rows, cfg_name, device, summary)
+    return 0 if passed else 1
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except Exception as e:  # pragma: no cover - depends on the machine
-            print(f"PNG skipped: matplotlib is not importable here ({type(e).__name__}: {e})")
-        else:
-            fig, ax = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-            xs = [r["step"] for r in rows]
-            for m in ("consistent", "baseline"):
-                ax[0].plot(xs, [r[f"{m}_tok_per_s"] for r in rows], marker="o", label=m)
-                ax[1].plot(xs, [r[f"{m}_probs_diff_max"] for r in rows], marker="o", label=m)
-            ax[0].set_ylabel("rollout output tok/s")
-            ax[0].legend()
-            ax[0].set_title(f"zerodiff bench ({cfg_name}, {_device_name(device)}): median ratio {ratio:.3f}")
-            ax[1].set_ylabel("probs diff max")
-            ax[1].set_xlabel("step")
-            ax[1].legend()
-            fig.tight_layout()
-            fig.savefig(args.png)
-            print(f"wrote {args.png}")
-    return 0
+
+def _baseline_vs_vllm() -> list:
+    from .model import baseline_cuda
+
+    try:
+        return baseline_cuda.vs_vllm()
+    except Exception as e:  # noqa: BLE001 - a bad ZERODIFF_BASELINE_VLLM_OPS value: reported, not fatal here
+        return [{"op": "(error)", "harness": f"{type(e).__name__}: {e}", "vllm": "", "note": ""}]
+
+
+def _profile_pass(args, runs, steps, cuda, det) -> dict:
+    """``--profile-steps``: the given (already warm) request sets once more per mode under torch.profiler with
+    every ops method in a ``zerodiff::<method>`` range; per-kernel and per-op time for both modes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from . import bench_tools as bt
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    res = {"steps": steps, "decode": args.profile_decode}
+    for m, run in runs.items():
+        eng = run.engine
+        old_emul = eng.emulate_graphs
+        if args.profile_decode == "eager-static" and eng.graphs is not None:
+            eng.emulate_graphs = True  # the captured graphs' padded static step, eagerly: same kernels, attributable
+        ntok = 0
+        try:
+            with det.window(f"profile:{m}"), bt.annotate_ops(eng.ops), profile(activities=acts) as prof:
+                for s in steps:
+                    _, out = run.rollout(s)
+                    ntok += sum(len(o.response) for o in out.values())
+                if cuda:
+                    torch.cuda.synchronize()
+        finally:
+            eng.emulate_graphs = old_emul
+        res[m] = bt.breakdown(prof.events(), steps=len(steps), tokens=ntok)
+    c, b = res["consistent"], res["baseline"]
+    res["source"], res["measure"] = c["source"], c["measure"]
+    res["kernel_time_ratio"] = (b["total_us"] / c["total_us"]) if c["total_us"] > 0 else None
+    res["what"] = ("baseline / consistent summed " + ("GPU activity" if c["source"] == "device" else "CPU op")
+                   + " time over the same request sets; pure-decode steps "
+                   + ("ran the graphs' padded static step eagerly (same kernels as the replay)"
+                      if args.profile_decode == "eager-static" else "replayed the captured graphs"))
+    return res
+
+
+def _bench_png(path, rows, cfg_name, device, summary) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # pragma: no cover - depends on the machine
+        print(f"PNG skipped: matplotlib is not importable here ({type(e).__name__}: {e})")
+        return
+    fig, ax = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    xs = [r["step"] for r in rows]
+    for m in ("consistent", "baseline"):
+        ax[0].plot(xs, [r[f"{m}_tok_per_s"] for r in rows], marker="o", label=m)
+        ax[2].plot(xs, [r[f"{m}_probs_diff_max"] for r in rows], marker="o", label=m)
+    ax[0].set_ylabel("rollout output tok/s")
+    ax[0].legend()
+    ci = summary["ci95_order_statistic"]
+    ax[0].set_title(f"zerodiff bench ({cfg_name}, {_device_name(device)}): median ratio {summary['median']:.3f} "
+                    f"[{ci['lo']:.3f}, {ci['hi']:.3f}]")
+    ax[1].plot(xs, [r["ratio"] for r in rows], marker="o", color="k")
+    ax[1].axhline(summary["median"], color="k", lw=0.8)
+    ax[1].axhspan(ci["lo"], ci["hi"], alpha=0.2)
+    ax[1].set_ylabel("ratio consistent / baseline")
+    ax[2].set_ylabel("probs diff max")
+    ax[2].set_xlabel("step")
+    ax[2].legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 def main(argv=None) -> int:

@@ -9,9 +9,16 @@ and the same CUDA-graph policy (pure-decode steps captured, mixed steps eager). 
   fused kernel), then DeepGEMM ``fp8_gemm_nt`` (M-dependent kernel choice is DeepGEMM's own);
 * routed experts: DeepGEMM ``m_grouped_fp8_gemm_nt_masked`` in captured decode graphs (static capacity =
   padded batch) and ``m_grouped_fp8_gemm_nt_contiguous`` in eager steps (segments aligned to DeepGEMM's
-  ``get_mk_alignment_for_contiguous_layout()`` with BLOCK_M capped at it, as vLLM does), stock
-  activation ``F.silu(g) * u`` in BF16 (two roundings) then the stock group quant, combine as one FP32
-  ``(y * w).sum(1)`` (the reduction order torch picks);
+  ``get_mk_alignment_for_contiguous_layout()`` with BLOCK_M capped at it, as vLLM does), SiLU(gate)·up ->
+  FP8 in one fused kernel (:func:`silu_mul_quant`), combine as one FP32 ``(y * w).sum(1)`` (the reduction
+  order torch picks);
+* RMSNorm, DSA Top-K, expert routing: vLLM's own compiled kernels (``torch.ops._C.rms_norm``,
+  ``_C.top_k_per_row_decode``, ``_moe_C.topk_sigmoid``) loaded from vLLM's libraries without importing vLLM
+  (:mod:`zerodiff.baselines.vllm_ops`); each is probed once against the torch path; where a library is missing
+  or a probe fails, the torch path runs and the reason is recorded (``ZERODIFF_BASELINE_VLLM_OPS=require``
+  raises instead). :func:`vs_vllm` lists, per op, what ran against what vLLM runs;
+* eager mixed steps split decode / prefill rows on the host and copy the indices through pinned memory
+  without a host sync (:func:`split_rows`, :func:`h2d`);
 * attention: pure-decode tokens through FlashMLA's FP8 sparse decode ``flash_mla_with_kvcache``
   (``is_fp8_kvcache=True``, its own split-KV scheduler: batch dependent); prefill tokens through the
   vLLM-style read: dequantise each request's cached positions ``0..len-1`` with torch ops into one BF16
@@ -185,8 +192,7 @@ def moe_routed(x: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor, w13, w2, *
     _grouped(dg, a[: plan.rows].view(torch.float8_e4m3fn), a_s[: plan.rows].contiguous(), w13, plan, h,
              ("moe w13", layout, f"N={I2}", f"K={H}"))
     I = I2 // 2
-    act = F.silu(h[:, :I]) * h[:, I:]  # stock: two BF16 roundings
-    hq, hs = quant_act(act)
+    hq, hs = silu_mul_quant(h)  # one fused kernel
     y = torch.zeros((plan.rows + 1, H), dtype=torch.bfloat16, device=dev)
     _grouped(dg, hq, hs.contiguous(), w2, plan, y[: plan.rows], ("moe w2", layout, f"N={H}", f"K={I}"))
     w = torch.where(ids >= 0, wts, torch.zeros((), dtype=wts.dtype, device=dev))
@@ -252,8 +258,8 @@ def flashmla_prefill(q, kv_cache, step, sel, sm_scale: float, d_nope: int, d_rop
     for L in lens:
         offs.append(o)
         o += L
-    lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
-    offs_t = torch.tensor(offs, dtype=torch.int64, device=dev)
+    lens_t = h2d(lens, dev)  # pinned, non-blocking: no host sync
+    offs_t = h2d(offs, dev)
     req_all = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens_t, output_size=o)
     pos_all = torch.arange(o, device=dev) - offs_t[req_all]
     bt = step.block_table.long()
@@ -264,4 +270,214 @@ def flashmla_prefill(q, kv_cache, step, sel, sm_scale: float, d_nope: int, d_rop
     out, _ml, _lse = fm.flash_mla_sparse_fwd(q.contiguous(), kv[:, None].contiguous(),
                                              idx.to(torch.int32)[:, None].contiguous(), float(sm_scale), d_nope)
     CHOICES.setdefault(("attention prefill",), "torch dequant of the requests' cache + FlashMLA flash_mla_sparse_fwd")
+    return out
+
+
+# ---- vLLM's own compiled ops (zerodiff.baselines.vllm_ops) ---------------------------------------------------
+def _vllm_lib(ns: str, op: str):
+    """``torch.ops.<ns>`` when vLLM's library is usable; None to run the recorded present path; under
+    ``ZERODIFF_BASELINE_VLLM_OPS=require`` a missing library raises."""
+    from zerodiff.baselines import vllm_ops as _V
+
+    lib = _V.library(ns)
+    if lib is None and _V.policy() == "require":
+        raise BaselineUnavailable(f"zerodiff baseline: {op} needs vLLM's torch.ops.{ns} ({_V.STATUS.get(ns)}); "
+                                  "ZERODIFF_BASELINE_VLLM_OPS=require never substitutes")
+    return lib
+
+
+def _use_vllm(op: str, ns: str, run, reference, same, present: str) -> bool:
+    """Whether to run vLLM's kernel for ``op`` (library usable and its first call matched ``reference``);
+    records what runs in CHOICES either way."""
+    from zerodiff.baselines import vllm_ops as _V
+
+    lib = _vllm_lib(ns, op)
+    if lib is None:
+        CHOICES.setdefault((op,), f"{present} (vLLM's kernel not used: torch.ops.{ns} {_V.STATUS.get(ns)})")
+        return False
+    if not _V.probe_once(op, run, reference, same):
+        if _V.policy() == "require":
+            raise BaselineUnavailable(f"zerodiff baseline: vLLM's kernel for {op} failed its probe: {_V.STATUS[op]}")
+        CHOICES[(op,)] = f"{present} (vLLM's kernel failed its probe: {_V.STATUS[op]})"
+        return False
+    return True
+
+
+def _close(rel: float):
+    def same(a, b):
+        a, b = a.float(), b.float()
+        err = (a - b).abs().max().item()
+        ref = b.abs().max().item()
+        return err <= rel * ref + 1e-3, f"max |diff| {err:.3g} vs max |ref| {ref:.3g}"
+
+    return same
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Stock RMSNorm, BF16 in and out: vLLM's ``torch.ops._C.rms_norm`` (one kernel, FP32 math inside) where
+    usable; else torch's FP32 ``F.rms_norm`` on an upcast copy (recorded)."""
+
+    def torch_path():
+        return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(torch.bfloat16)
+
+    def vllm_path():
+        xc = x.contiguous()
+        out = torch.empty_like(xc)
+        torch.ops._C.rms_norm(out, xc, w.to(xc.dtype).contiguous(), float(eps))
+        return out
+
+    if x.dtype in (torch.bfloat16, torch.float16) and _use_vllm(
+            "rms norm", "_C", vllm_path, torch_path, _close(2e-2), "torch FP32 F.rms_norm on an upcast copy"):
+        CHOICES.setdefault(("rms norm",), "vLLM torch.ops._C.rms_norm")
+        return vllm_path()
+    CHOICES.setdefault(("rms norm",), "torch FP32 F.rms_norm on an upcast copy (input not BF16/FP16)")
+    return torch_path()
+
+
+def silu_mul_quant(h: torch.Tensor):
+    """SiLU(gate)·up -> FP8 (1x128 groups) in ONE fused kernel. vLLM's fused kernel for the block-FP8 DeepGEMM
+    MoE on Hopper is a Triton kernel of its Python package (not in its compiled libraries), so the harness runs
+    zerodiff's fused kernel of the same one-pass structure (FP32 SiLU·mul, group amax, quant)."""
+    from zerodiff.ops.silu_mul_quant import silu_mul_quant_fp8
+
+    CHOICES.setdefault(("silu*mul -> fp8",), "one fused kernel: zerodiff silu_mul_quant_fp8 (vLLM's fused kernel "
+                                             "is Triton inside its Python package)")
+    return silu_mul_quant_fp8(h)
+
+
+def topk_rows(scores: torch.Tensor, k: int, lengths=None) -> torch.Tensor:
+    """DSA Top-K: int32 ``[T, min(k, W)]`` column indices of the largest scores among columns
+    ``0..lengths[t]-1`` (all W when None), -1 where a row has fewer; order unspecified (stock). vLLM's
+    ``torch.ops._C.top_k_per_row_decode`` (next_n = 1, per-row lengths) where usable, else ``torch.topk``."""
+    T, W = scores.shape
+    kk = min(k, W)
+
+    def torch_path():
+        s = scores
+        if lengths is not None:
+            col = torch.arange(W, device=scores.device)[None, :]
+            s = scores.masked_fill(col >= lengths[:, None].long(), float("-inf"))
+        vals, idx = torch.topk(s, kk, dim=1)
+        return idx.to(torch.int32).masked_fill(vals == float("-inf"), -1)
+
+    def vllm_path():
+        s = scores.float().contiguous()
+        out = torch.empty((T, kk), dtype=torch.int32, device=scores.device)
+        if T == 0:
+            return out
+        lens = (lengths.to(torch.int32).contiguous() if lengths is not None
+                else torch.full((T,), W, dtype=torch.int32, device=scores.device))
+        torch.ops._C.top_k_per_row_decode(s, 1, lens, out, T, s.stride(0), s.stride(1), kk)
+        return out
+
+    def same(a, b):  # the same selected score multiset per row (ties may pick other columns)
+        def picked(i):
+            v = scores.float().gather(1, i.long().clamp(min=0)).masked_fill(i < 0, float("-inf"))
+            return v.sort(1).values
+
+        ok = bool(torch.equal(picked(a), picked(b)))
+        return ok, "selected scores equal per row" if ok else "selected scores differ"
+
+    if _use_vllm("dsa top-k", "_C", vllm_path, torch_path, same, "torch.topk"):
+        CHOICES.setdefault(("dsa top-k",), "vLLM torch.ops._C.top_k_per_row_decode (next_n=1)")
+        return vllm_path()
+    return torch_path()
+
+
+def route_sigmoid(logits: torch.Tensor, bias, k: int, scale: float):
+    """Expert routing: sigmoid scores, top-k of score + bias, weights = the selected unbiased scores renormalised
+    and times ``scale`` -> (fp32 ``[T, k]``, int32 ``[T, k]``). vLLM's fused ``torch.ops._moe_C.topk_sigmoid``
+    where usable, else torch ops."""
+
+    def torch_path():
+        sc = torch.sigmoid(logits.float())
+        _, ids = torch.topk(sc + (bias.float() if bias is not None else 0.0), k, dim=1)
+        w = sc.gather(1, ids)
+        return w / w.sum(-1, keepdim=True) * scale, ids.to(torch.int32)
+
+    def vllm_path():
+        g = logits.float().contiguous()
+        T = g.shape[0]
+        w = torch.empty((T, k), dtype=torch.float32, device=g.device)
+        ids = torch.empty((T, k), dtype=torch.int32, device=g.device)
+        tei = torch.empty((T, k), dtype=torch.int32, device=g.device)
+        if T:
+            b = bias.float().contiguous().reshape(-1) if bias is not None else None
+            torch.ops._moe_C.topk_sigmoid(w, ids, tei, g, True, b, float(scale), None)
+        return w, ids
+
+    def same(a, b):
+        (wa, ia), (wb, ib) = a, b
+        ok_ids = bool(torch.equal(ia.sort(1).values, ib.sort(1).values))
+        err = (wa.sort(1).values - wb.sort(1).values).abs().max().item() if wa.numel() else 0.0
+        return ok_ids and err <= 1e-4 * max(1.0, float(scale)), f"ids equal {ok_ids}, weights max |diff| {err:.3g}"
+
+    if _use_vllm("expert routing", "_moe_C", vllm_path, torch_path, same, "torch sigmoid + topk + gather"):
+        CHOICES.setdefault(("expert routing",), "vLLM torch.ops._moe_C.topk_sigmoid (fused, bias, renormalise)")
+        return vllm_path()
+    return torch_path()
+
+
+def h2d(values, device) -> torch.Tensor:
+    """int64 host list -> device tensor through pinned memory, non-blocking (no host sync)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def split_rows(dec, T: int, device):
+    """(decode rows, other rows) of an eager mixed step as device int64 tensors, from the host-side decode list:
+    computed on the host with torch ops (no per-token Python loop) and copied without a host sync."""
+    d = torch.tensor(dec, dtype=torch.int64)
+    keep = torch.ones(T, dtype=torch.bool)
+    keep[d] = False
+    p = torch.arange(T, dtype=torch.int64)[keep]
+    if torch.device(device).type == "cuda":
+        return d.pin_memory().to(device, non_blocking=True), p.pin_memory().to(device, non_blocking=True)
+    return d.to(device), p.to(device)
+
+
+def vs_vllm() -> list:
+    """Per op: the kernel the harness baseline runs (what ran, where recorded), the one stock vLLM 0.33.0 runs,
+    and why they differ where they do. Written into ``zerodiff bench``'s JSON."""
+    from zerodiff.baselines import vllm_ops as _V
+
+    ran = choices_text()
+
+    def got(op, default):
+        return ran.get(op, default)
+
+    rows = [
+        ("rms norm", got("rms norm", "not called yet"), "torch.ops._C.rms_norm / fused_add_rms_norm",
+         "same kernel when vLLM's _C loads (the model adds the residual in mHC, so there is no fused add)"),
+        ("silu*mul -> fp8", got("silu*mul -> fp8", "not called yet"),
+         "silu_mul_per_token_group_quant_fp8_colmajor (Triton, vLLM's Python package)",
+         "vLLM's kernel is Triton code inside vLLM's Python package, not a compiled op; the harness runs a "
+         "fused kernel of the same one-pass structure"),
+        ("dsa top-k", got("dsa top-k", "not called yet"),
+         "torch.ops._C.top_k_per_row_decode (decode rows) / top_k_per_row_prefill (prefill rows)",
+         "the harness calls the decode kernel for every row (next_n = 1, per-row lengths); the prefill kernel "
+         "runs the same per-row selection job"),
+        ("expert routing", got("expert routing", "not called yet"), "torch.ops._moe_C.topk_sigmoid (fused router)",
+         "same kernel when vLLM's _moe_C loads"),
+        ("mhc pre", got("mhc pre", "not called yet"), "TileLang mHC kernels (fused pre), split from its heuristic",
+         "TileLang is not loadable in the harness; DeepGEMM tf32_hc_prenorm_gemm with the batch-size split "
+         "heuristic (zerodiff.baselines.mhc)"),
+        ("mhc post", "torch FP32 einsum + BF16 cast", "TileLang fused mHC post",
+         "TileLang is not loadable in the harness"),
+        ("dense fp8 linear", "stock 1x128 act quant + DeepGEMM fp8_gemm_nt (per shape: baseline_kernels_ran)",
+         "per-token-group quant + DeepGEMM / CUTLASS / FlashInfer chosen per M",
+         "DeepGEMM for every M (vLLM's own choice for block FP8 on SM90 where DeepGEMM is enabled)"),
+        ("moe experts", "DeepGEMM grouped FP8 GEMMs (masked in decode graphs, contiguous in eager steps)",
+         "DeepGEMM grouped FP8 GEMMs with vLLM's activation quant and combine", "same GEMMs"),
+        ("attention", "decode: FlashMLA flash_mla_with_kvcache FP8; prefill: torch dequant + flash_mla_sparse_fwd",
+         "the same FlashMLA kernels; prefill dequant by vLLM's gather kernel",
+         "the prefill dequant is torch ops (vLLM's cp_gather cache kernel is in _C_cache_ops, not called)"),
+        ("router gemm", "FP32 F.linear (cuBLAS)", "vLLM's gate GEMM with small-batch kernel tiers",
+         "cuBLAS FP32; the small-batch tiers are not called"),
+    ]
+    out = [{"op": op, "harness": h, "vllm": v, "note": n} for op, h, v, n in rows]
+    out.append({"op": "(vLLM compiled libraries)", "harness": dict(_V.STATUS), "vllm": "", "note":
+                "ZERODIFF_BASELINE_VLLM_OPS=" + _V.policy()})
     return out

@@ -120,8 +120,11 @@ BASELINE_CHOICE = {
                    "_contiguous (128-aligned) in eager steps, stock act quant, stock BF16 SiLU*mul -> group quant, "
                    "FP32 combine as one (y * w).sum(1); CPU: per-expert BF16 F.linear",
     "router": "stock FP32 F.linear",
-    "expert / DSA top-k": "torch.topk",
-    "silu*mul": "BF16 F.silu(g) * u (two roundings) then the stock group quant",
+    "expert / DSA top-k": "CUDA: vLLM's _moe_C.topk_sigmoid / _C.top_k_per_row_decode where vLLM's compiled "
+                          "libraries load and pass their probe, else torch.topk (recorded per op in "
+                          "baseline_vs_vllm); CPU: torch.topk",
+    "silu*mul": "CUDA: one fused SiLU*mul -> FP8 group-quant kernel; CPU: BF16 F.silu(g) * u (two roundings) then "
+                "the stock group quant",
     "attention": "CUDA: decode tokens -> FlashMLA flash_mla_with_kvcache (FP8 sparse decode, its split-KV "
                  "scheduler; one metadata per layer and padded batch in captured graphs), prefill tokens -> torch "
                  "dequant of the requests' FP8 cache + FlashMLA flash_mla_sparse_fwd; CPU: FP32 softmax prefill, "
@@ -131,7 +134,8 @@ BASELINE_CHOICE = {
                    "then torch.topk",
     "mHC": "CUDA: zerodiff.baselines.mhc.mhc_pre_split_baseline gemm=auto (DeepGEMM tf32_hc_prenorm_gemm as vLLM) "
            "with the batch-size split heuristic; CPU: same with torch GEMM",
-    "rms norm / log-softmax / lm head": "stock torch FP32 ops (shape-dependent reductions)",
+    "rms norm / log-softmax / lm head": "rms norm: CUDA vLLM's _C.rms_norm where it loads, else torch FP32; "
+                                        "log-softmax / lm head: stock torch FP32 ops (shape-dependent reductions)",
     "cuda graphs": "same policy as the consistent mode: pure-decode steps replay graphs captured per padded "
                    "batch size, mixed steps eager",
 }
@@ -604,6 +608,8 @@ class BaselineRolloutOps(ConsistentOps):
         self._mla_meta: dict = {}  # (layer, padded batch) -> FlashMLA scheduler metadata of a captured decode graph
 
     def kernel_rms_norm(self, x, w):
+        if _cuda(x):  # vLLM's _C.rms_norm where loadable (baseline_cuda.rms_norm)
+            return _stock_cuda.rms_norm(x, w, self.cfg.rms_eps)
         return F.rms_norm(x.float(), (x.shape[-1],), w.float(), self.cfg.rms_eps).to(torch.bfloat16)
 
     def kernel_fp8_linear(self, x, w):
@@ -648,13 +654,11 @@ class BaselineRolloutOps(ConsistentOps):
             return _stock_cuda.flashmla_prefill(q, cache.kv[layer], step, sel, sm_scale, cfg.d_latent, cfg.d_rope, bs)
         # mixed step: decode tokens through the decode kernel, the others through the prefill path (as vLLM)
         out = torch.empty(T, q.shape[1], cfg.d_latent, dtype=torch.bfloat16, device=q.device)
-        di = torch.tensor(dec, dtype=torch.int64, device=q.device)
-        dset = set(dec)
-        pi = torch.tensor([i for i in range(T) if i not in dset], dtype=torch.int64, device=q.device)
-        slots = _stock_cuda.cache_slots(step, sel[di], bs, rows=di)
-        out[di] = _stock_cuda.flashmla_decode(q[di], cache.kv[layer], slots, sm_scale, cfg.d_latent)
-        out[pi] = _stock_cuda.flashmla_prefill(q[pi], cache.kv[layer], step, sel[pi], sm_scale, cfg.d_latent,
-                                               cfg.d_rope, bs, rows=pi)
+        di, pi = _stock_cuda.split_rows(dec, T, q.device)  # no host sync, no per-token Python loop
+        out[di] = _stock_cuda.flashmla_decode(q[di], cache.kv[layer], _stock_cuda.cache_slots(step, sel[di], bs, rows=di), sm_scale,
+                                      cfg.d_latent)
+        out[pi] = _stock_cuda.flashmla_prefill(q[pi], cache.kv[layer], step, sel[pi], sm_scale, cfg.d_latent, cfg.d_rope, bs,
+                                       rows=pi)
         return out
 
     def _expert_bf16(self, x, w13, w2):
@@ -688,11 +692,15 @@ class BaselineRolloutOps(ConsistentOps):
                 + torch.einsum("tij,tih->tjh", comb, X.float())).to(torch.bfloat16)
 
     def kernel_swiglu_quant(self, h):
+        if _cuda(h):  # one fused kernel (baseline_cuda.silu_mul_quant)
+            return _stock_cuda.silu_mul_quant(h)
         half = h.shape[1] // 2
         a = F.silu(h[:, :half]) * h[:, half:]  # two BF16 roundings
         return quant_act(a, backend=_backend_for(a))
 
     def kernel_topk(self, scores, k, lengths=None):
+        if _cuda(scores):  # vLLM's _C.top_k_per_row_decode where loadable (baseline_cuda.topk_rows)
+            return _stock_cuda.topk_rows(scores, k, lengths)
         if lengths is not None:
             W = scores.shape[1]
             col = torch.arange(W, device=scores.device)[None, :]
@@ -702,6 +710,8 @@ class BaselineRolloutOps(ConsistentOps):
         return idx
 
     def kernel_route(self, logits, bias, k, scale):
+        if _cuda(logits):  # vLLM's _moe_C.topk_sigmoid where loadable (baseline_cuda.route_sigmoid)
+            return _stock_cuda.route_sigmoid(logits, bias, k, scale)
         sc = torch.sigmoid(logits)
         _, ids = torch.topk(sc + bias, k, dim=1)
         w = sc.gather(1, ids)
