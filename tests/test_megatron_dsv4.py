@@ -361,3 +361,16 @@ def test_megatron_check_refuses_a_make_checkpoint_directory(megatron, tmp_path, 
     (tmp_path / "config.json").write_text(json.dumps(config_dict(ckpt_preset("mini"))))
     assert main(["megatron-check", "--checkpoint", str(tmp_path), "--steps", "1"]) == 2
     assert "hash-routed MoE" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_megatron_check_on_cuda(megatron, tmp_path):
+    """The same acceptance on the GPU (gpu_small preset: CUDA kernels, CUDA-graph decode in the rollout)."""
+    from zerodiff.cli import main
+
+    out = tmp_path / "r.json"
+    rc = main(["megatron-check", "--device", "cuda", "--steps", "2", "--json", str(out),
+               "--workdir", str(tmp_path / "w")])
+    res = json.loads(out.read_text())
+    assert rc == 0, {k: v for k, v in res.items() if k != "checks"}
+    assert res["tokens_differ"] == 0 and res["refit_checked"] and res["restore_checked"]

@@ -103,16 +103,30 @@ def _pad(seqs, device):
     return ids.to(device), lens
 
 
-def actor_logprobs(model, seqs, *, path: str = "selective", micro: int = 8, grad: bool = False) -> dict:
+def _micro_batches(seqs, micro: int, micro_tokens):
+    """Consecutive groups of at most ``micro`` sequences whose padded size (rows x longest) stays within
+    ``micro_tokens`` (a single longer sequence is a group of its own)."""
+    out, cur, longest = [], [], 0
+    for s in seqs:
+        n = len(s[1]) + len(s[2])
+        if cur and (len(cur) >= micro or (micro_tokens and (len(cur) + 1) * max(longest, n) > micro_tokens)):
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(s)
+        longest = max(longest, n)
+    return out + ([cur] if cur else [])
+
+
+def actor_logprobs(model, seqs, *, path: str = "selective", micro: int = 8, micro_tokens=None,
+                   grad: bool = False) -> dict:
     """Response-token log-probs per key through Megatron-RL's path (``selective``: logits then
     ``selective_log_softmax``) or the cross-entropy path (``cross_entropy``: ``-model(tokens, labels)``); rows in
-    micro-batches of ``micro`` sequences."""
+    micro-batches of at most ``micro`` sequences and ``micro_tokens`` padded tokens."""
     from .functions import selective_log_softmax
 
     dev = next(model.parameters()).device
     out = {}
-    for a in range(0, len(seqs), micro):
-        part = seqs[a: a + micro]
+    for part in _micro_batches(seqs, micro, micro_tokens):
         ids, lens = _pad(part, dev)
         with torch.set_grad_enabled(grad):
             if path == "selective":
@@ -165,9 +179,10 @@ class _Check:
                  f"{row['probs_diff_max']:.3g}, k3_kl {row['k3_kl']:.3g} -> {'ok' if row['ok'] else 'DIFF'}")
 
 
-def run_check(*, steps: int = 2, seed: int = 0, device: str = "cpu", checkpoint=None, preset: str = "cpu",
+def run_check(*, steps: int = 2, seed: int = 0, device: str = "cpu", checkpoint=None, preset: str | None = None,
               concurrencies=CONCURRENCIES, workdir=None, progress=None) -> dict:
-    """Run the acceptance (see the module docstring); returns the result dict."""
+    """Run the acceptance (see the module docstring); returns the result dict. ``preset`` (the harness model
+    and rollout config) defaults to ``cpu`` on the CPU and ``gpu_small`` on CUDA."""
     from .mcore import megatron_version
     from .optimizer import build_optimizer
     from .weights import export_deployment, read_actor_checkpoint, refit_, save_checkpoint
@@ -179,6 +194,7 @@ def run_check(*, steps: int = 2, seed: int = 0, device: str = "cpu", checkpoint=
     work = Path(tempfile.mkdtemp(prefix="zerodiff-megatron-check-")) if own_tmp else Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     dev = torch.device(device)
+    preset = preset or ("gpu_small" if dev.type == "cuda" else "cpu")
     pr = get_preset(preset)
     init_parallel_state(dev.type, work)
     checks = _Check(say)
@@ -200,6 +216,7 @@ def run_check(*, steps: int = 2, seed: int = 0, device: str = "cpu", checkpoint=
     cfg, ck_masters, how = read_actor_checkpoint(checkpoint)
     pr = pr.replace(model=cfg)
     actor, how = build_from_checkpoint(checkpoint, device=device)
+    actor.block_size = pr.rollout.block_size
     flags["load_bit_exact"] = how == "masters" and all(
         torch.equal(actor.masters[k].detach().cpu(), (masters or ck_masters)[k]) for k in actor.masters)
     say(f"actor built from {checkpoint} ({how}); masters bit-exact: {flags['load_bit_exact']}")
@@ -234,12 +251,13 @@ def run_check(*, steps: int = 2, seed: int = 0, device: str = "cpu", checkpoint=
         base, outs, same = sample(step)
         seqs = [(k, o.prompt, o.response) for k, o in sorted(base.items())]
         for path in ("selective", "cross_entropy"):
-            lp = actor_logprobs(actor, seqs, path=path)
+            lp = actor_logprobs(actor, seqs, path=path, micro_tokens=mt)
             for c, out in zip(concurrencies, outs):
                 checks.add(f"{name} {path} c={c}", diff_report({k: o.logprobs for k, o in out.items()}, lp),
                            step=step, concurrency=c, concurrency_invariant=same)
         return seqs
 
+    mt = pr.train.micro_tokens
     refit_ok, stale_ok = [], []
     for step in range(steps):
         say(f"step {step}: sample at concurrencies {list(concurrencies)}, recompute with the actor")
@@ -247,7 +265,7 @@ def run_check(*, steps: int = 2, seed: int = 0, device: str = "cpu", checkpoint=
         adv = _advantages(pr, seqs)
         ntok = sum(len(r) for _, _, r in seqs)
         opt.zero_grad()
-        lp = actor_logprobs(actor, seqs, path="selective", grad=True)
+        lp = actor_logprobs(actor, seqs, path="selective", micro_tokens=mt, grad=True)
         loss = sum(-(adv[k] / ntok) * lp[k].sum() for k, _, _ in seqs)
         loss.backward()
         ok = opt.step()
@@ -275,6 +293,7 @@ def run_check(*, steps: int = 2, seed: int = 0, device: str = "cpu", checkpoint=
     dist_ok, dist_note = None, ""
     sd_state = {k: v.detach().clone() for k, v in actor.state_dict().items()}
     restored, _ = build_from_checkpoint(saved, device=device)
+    restored.block_size = pr.rollout.block_size
     if dev.type == "cuda":
         try:
             from megatron.core import dist_checkpointing

@@ -42,8 +42,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, metavar="N", help="RL updates (default 2)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="masters and request seed (default 0)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where everything runs (default cpu)")
-    p.add_argument("--preset", default="cpu", metavar="NAME",
-                   help="harness model preset when no --checkpoint is given: cpu, gpu_small, h200 (default cpu)")
+    p.add_argument("--preset", default=None, metavar="NAME",
+                   help="harness model and rollout preset: cpu, gpu_small, h200 (default: cpu on --device cpu, "
+                        "gpu_small on cuda); with --checkpoint its model comes from the checkpoint")
     p.add_argument("--checkpoint", metavar="DIR", help="an actor checkpoint to start from (default: write one)")
     p.add_argument("--concurrency", type=int, nargs="+", metavar="C", default=None,
                    help="running-batch sizes the rollout samples at (default 1 4 12)")

@@ -80,7 +80,11 @@ def transformer_config(cfg: ModelConfig, **overrides):
         expert_model_parallel_size=1,
     )
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    import warnings
+
+    with warnings.catch_warnings():  # megatron-core's own default cuda_graph_scope warns about itself
+        warnings.filterwarnings("ignore", message="full scope is deprecated")
+        return TransformerConfig(**kw)
 
 
 def dsv4_fields(cfg: ModelConfig) -> DSV4Fields:

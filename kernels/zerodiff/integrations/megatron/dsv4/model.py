@@ -185,7 +185,9 @@ class DSV4Model(MegatronModule):
         self.ops = ConsistentOps(cfg)
         self.deployment: Deployment | None = None
         self._cache: PagedCache | None = None
-        self.block_size = 8
+        #: tokens per block of the private paged FP8 cache (the values do not depend on it; the acceptance uses
+        #: the rollout's)
+        self.block_size = 64
 
     # ---- weights -------------------------------------------------------------------------------------
     def load_masters(self, masters: dict) -> None:
