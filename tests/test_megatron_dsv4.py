@@ -374,3 +374,20 @@ def test_megatron_check_on_cuda(megatron, tmp_path):
     res = json.loads(out.read_text())
     assert rc == 0, {k: v for k, v in res.items() if k != "checks"}
     assert res["tokens_differ"] == 0 and res["refit_checked"] and res["restore_checked"]
+
+
+def test_forward_checks_positions_and_labels_path_matches_logits(megatron, masters):
+    from zerodiff.integrations.megatron.dsv4.functions import selective_log_softmax
+
+    m = _actor(masters)
+    ids = torch.randint(0, CFG.vocab, (3, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits = m(ids, position_ids=torch.arange(20)[None, :])
+        loss = m(ids, labels=ids.roll(-1, 1), lengths=[20, 13, 7])
+    assert logits.dtype == torch.float32 and logits.shape == (3, 20, CFG.vocab)
+    lp = selective_log_softmax(logits, ids.roll(-1, 1))
+    assert_bitwise_equal(-loss[0], lp[0])
+    assert_bitwise_equal(-loss[1, :13], lp[1, :13])  # a shorter row: its own values, zero after its length
+    assert torch.equal(loss[2, 7:], torch.zeros(13))
+    with pytest.raises(ValueError, match="position_ids"):
+        m(ids, position_ids=torch.arange(1, 21)[None, :])

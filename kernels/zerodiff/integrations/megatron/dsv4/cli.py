@@ -60,6 +60,7 @@ def register(sub) -> None:
 
 def _run(args) -> int:
     from ... import ConfigError
+    from ....checkpoint.dsv4 import CheckpointError
 
     def say(msg):
         print(f"megatron-check: {msg}", file=sys.stderr, flush=True)
@@ -82,7 +83,7 @@ def _run(args) -> int:
     except ImportError as e:
         print(f"megatron-check: {e}", file=sys.stderr)
         return 2
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, CheckpointError) as e:
         print(f"megatron-check: refused: {e}", file=sys.stderr)
         return 2
     if args.json:

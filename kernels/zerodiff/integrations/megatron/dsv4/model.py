@@ -232,8 +232,8 @@ class DSV4Model(MegatronModule):
         dev = input_ids.device
         if position_ids is not None:
             want = torch.arange(S, device=position_ids.device).expand(B, S)
-            if position_ids.shape != (B, S) and position_ids.shape != (1, S) or not torch.equal(
-                    position_ids.expand(B, S).long(), want):
+            ok = tuple(position_ids.shape) in ((B, S), (1, S)) and torch.equal(position_ids.expand(B, S).long(), want)
+            if not ok:
                 raise ValueError("zerodiff actor: position_ids must be arange(S) per row (one sequence per row)")
         lens = [S] * B if lengths is None else [int(x) for x in lengths]
         bs = self.block_size

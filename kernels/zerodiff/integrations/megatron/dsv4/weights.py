@@ -239,11 +239,16 @@ def dequantized_masters(tensors: dict, cfg: ModelConfig) -> dict:
 # ------------------------------------------------------------------------------ files
 def save_checkpoint(model, out, *, force: bool = False) -> dict:
     """Write the actor's checkpoint (``config.json``, FP8 deployment shards, ``masters/``) to ``out``; the
-    deployment is requantised from the current masters first. Returns ``{relative file: bytes}``."""
+    deployment is requantised from the current masters first. A non-empty ``out`` is refused unless ``force``
+    (then it is replaced). Returns ``{relative file: bytes}``."""
     from ....checkpoint.dsv4 import DEFAULT_SHARD_BYTES, _check_out, _write_sharded
+
+    import shutil
 
     out = Path(out)
     _check_out(out, force)
+    if out.is_dir() and force:
+        shutil.rmtree(out)  # no file of an older checkpoint may survive next to the new one
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.model_cfg
     model.refresh_deployment()
