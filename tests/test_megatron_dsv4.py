@@ -341,7 +341,7 @@ def test_megatron_check_cli_short_run_passes(megatron, tmp_path, capsys):
     from zerodiff.cli import main
 
     out = tmp_path / "r.json"
-    rc = main(["megatron-check", "--steps", "1", "--concurrency", "2", "12", "--json", str(out),
+    rc = main(["megatron-check", "--steps", "1", "--concurrency", "12", "--json", str(out),
                "--workdir", str(tmp_path / "w")])
     res = json.loads(out.read_text())
     assert rc == 0, {k: v for k, v in res.items() if k != "checks"}

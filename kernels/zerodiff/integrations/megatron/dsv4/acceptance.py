@@ -25,7 +25,9 @@ What :func:`run_check` does, in order:
 5. Restore: the actor is saved (actor checkpoint + optimizer state; on CUDA also megatron-core
    ``dist_checkpointing`` of ``sharded_state_dict()``, whose torch_dist writer needs CUDA; on the CPU a
    ``state_dict`` round trip instead), a fresh actor is built from the files, its parameters must equal the
-   saved ones, the rollout is refitted from it, and one more step is sampled and recomputed (diff = 0).
+   saved ones, the rollout is refitted from it, and one more step is sampled and recomputed (diff = 0). Then
+   the first update after the restore (restored actor + a fresh optimizer loaded with the saved state) must
+   give the same masters as the uninterrupted run's update, bit for bit; refit; recompute (diff = 0).
 
 The result (a dict, written as JSON by the CLI) has ``trainer``, ``megatron_version``, ``rollout_engine``,
 ``device``, ``date``, ``steps``, ``tokens``, ``tokens_differ``, ``probs_diff_max``, ``k3_kl``,
@@ -258,17 +260,22 @@ def run_check(*, steps: int = 2, seed: int = 0, device: str = "cpu", checkpoint=
         return seqs
 
     mt = pr.train.micro_tokens
+
+    def update(model, optim, seqs) -> bool:
+        """One RL update: loss -sum_i A_i sum_t lp_it / n through Megatron-RL's log-prob path, backward,
+        megatron-core optimizer step."""
+        adv = _advantages(pr, seqs)
+        ntok = sum(len(r) for _, _, r in seqs)
+        optim.zero_grad()
+        lp = actor_logprobs(model, seqs, path="selective", micro_tokens=mt, grad=True)
+        sum(-(adv[k] / ntok) * lp[k].sum() for k, _, _ in seqs).backward()
+        return optim.step()
+
     refit_ok, stale_ok = [], []
     for step in range(steps):
         say(f"step {step}: sample at concurrencies {list(concurrencies)}, recompute with the actor")
         seqs = compare(f"step {step} before update", step)
-        adv = _advantages(pr, seqs)
-        ntok = sum(len(r) for _, _, r in seqs)
-        opt.zero_grad()
-        lp = actor_logprobs(actor, seqs, path="selective", micro_tokens=mt, grad=True)
-        loss = sum(-(adv[k] / ntok) * lp[k].sum() for k, _, _ in seqs)
-        loss.backward()
-        ok = opt.step()
+        ok = update(actor, opt, seqs)
         # stale-weight check: the next forward runs the new masters (== a fresh actor holding them)
         from .model import build_model
 
@@ -315,13 +322,25 @@ def run_check(*, steps: int = 2, seed: int = 0, device: str = "cpu", checkpoint=
                      "sharded_state_dict() itself is built on the CPU)")
         del other
     same_params = all(torch.equal(actor.masters[k], restored.masters[k]) for k in actor.masters)
-    actor = restored
+    orig, actor = actor, restored
+    opt2 = build_optimizer(restored, lr=pr.train.lr, betas=pr.train.betas, weight_decay=pr.train.weight_decay)
+    opt2.load_state_dict(torch.load(saved / "optimizer.pt", weights_only=False))
     ptrs = rollout_dep.data_ptrs()
     refit_(rollout_dep, export_deployment(actor.refresh_deployment(), cfg), cfg)
     restore_refit = rollout_dep.data_ptrs() == ptrs
     say(f"restored from {saved}: parameters equal {same_params}; {dist_note}: {dist_ok}")
-    compare("after restore", steps)
-    restore_ok = same_params and restore_refit and bool(dist_ok)
+    seqs = compare("after restore", steps)
+    # the first update after the restore: the restored actor + optimizer state take the update the original
+    # would have taken, bit for bit; then refit and check again
+    ok_a, ok_b = update(orig, opt, seqs), update(restored, opt2, seqs)
+    continued = ok_a and ok_b and all(torch.equal(orig.masters[k], restored.masters[k]) for k in orig.masters)
+    del orig
+    ptrs = rollout_dep.data_ptrs()
+    refit_(rollout_dep, export_deployment(actor.refresh_deployment(), cfg), cfg)
+    restore_refit = restore_refit and rollout_dep.data_ptrs() == ptrs
+    say(f"first update after the restore equals the uninterrupted run's: {continued}")
+    compare("after restore update", steps)
+    restore_ok = same_params and restore_refit and bool(dist_ok) and continued
 
     rows = checks.rows
     res = {
