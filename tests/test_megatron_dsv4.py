@@ -391,3 +391,14 @@ def test_forward_checks_positions_and_labels_path_matches_logits(megatron, maste
     assert torch.equal(loss[2, 7:], torch.zeros(13))
     with pytest.raises(ValueError, match="position_ids"):
         m(ids, position_ids=torch.arange(1, 21)[None, :])
+
+
+def test_checkpoint_coverage_of_the_tiny_checkpoint_names_what_has_no_counterpart():
+    rows = dw.checkpoint_coverage(config_dict(ckpt_preset("tiny")))
+    assert len(rows) == 532  # every tensor of the tiny checkpoint (docs/checkpoint.md)
+    mapped = {n: m for n, m, _ in rows if m}
+    assert mapped["layers.1.ffn.experts.7.w3.weight"] == "decoder.layers.1.mlp.experts.weight1"
+    assert mapped["layers.0.attn.wq_a.scale"] == "decoder.layers.0.self_attention.linear_q_down_proj.weight (scale)"
+    missing = {why for _, m, why in rows if m is None}
+    assert missing == {"compressed attention (C4A / C128A compressor)", "grouped output LoRA (wo_a / wo_b)",
+                       "attention sinks", "the final mHC head (hc_head)", "hash-routed MoE (token-id table)"}

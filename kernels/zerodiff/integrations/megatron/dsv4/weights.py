@@ -288,3 +288,37 @@ def read_actor_checkpoint(d, *, dequantize: bool = False) -> tuple:
 
 def is_fp8_master(name: str) -> bool:
     return is_fp8(name)
+
+
+# ------------------------------------------------------------------------------ DeepSeek-V4 checkpoints
+_NO_COUNTERPART = (  # (substring of a released tensor name, why the actor has no parameter for it)
+    (".compressor.", "compressed attention (C4A / C128A compressor)"),
+    (".attn_sink", "attention sinks"),
+    (".wo_a.", "grouped output LoRA (wo_a / wo_b)"),
+    (".wo_b.", "grouped output LoRA (wo_a / wo_b)"),
+    (".tid2eid", "hash-routed MoE (token-id table)"),
+    ("hc_head_", "the final mHC head (hc_head)"),
+)
+
+
+def checkpoint_coverage(cj: dict) -> list:
+    """For a DeepSeek-V4 ``config.json`` (``zerodiff make-checkpoint``): ``[(checkpoint tensor, actor parameter
+    or None, note)]`` for every tensor the checkpoint holds, in file order. A tensor whose name the actor maps
+    gets its parameter (shapes may still differ: the harness model is smaller); the others name the feature
+    the actor lacks. What it shows is why such a checkpoint is refused, not a way to load it."""
+    from ....checkpoint.dsv4 import checkpoint_layout
+
+    pseudo = ModelConfig(layers=int(cj["num_hidden_layers"]), experts=int(cj["n_routed_experts"]))
+    by_ck = {}
+    for h, mod, cks in mapping(pseudo):
+        for ck in cks:
+            by_ck[ck] = mod
+            by_ck[_scale_name(ck)] = mod + " (scale)"
+    rows = []
+    for name, _, _ in checkpoint_layout(cj):
+        if name in by_ck:
+            rows.append((name, by_ck[name], "mapped by name"))
+            continue
+        why = next((w for pat, w in _NO_COUNTERPART if pat in name), "no counterpart")
+        rows.append((name, None, why))
+    return rows
