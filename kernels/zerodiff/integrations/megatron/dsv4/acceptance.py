@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import random
 import tempfile
 import time
@@ -92,6 +91,11 @@ def _same_bits(a: Deployment, b: Deployment) -> bool:
         elif not torch.equal(x, y):
             return False
     return True
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """FP8 codes as bytes (``torch.equal`` on e4m3 compares bits, not values)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _pad(seqs, device):
@@ -230,9 +234,7 @@ def run_check(*, steps: int = 2, seed: int = 0, device: str = "cpu", checkpoint=
     _, files = read_checkpoint(checkpoint)
     exported = export_deployment(actor.refresh_deployment(), cfg)
     flags["export_equals_checkpoint"] = set(exported) == set(files) and all(
-        torch.equal(exported[k].cpu().view(torch.uint8) if exported[k].dtype == torch.float8_e4m3fn else exported[k].cpu(),
-                    files[k].view(torch.uint8) if files[k].dtype == torch.float8_e4m3fn else files[k])
-        for k in files)
+        torch.equal(_raw(exported[k].cpu()), _raw(files[k])) for k in files)
     refit_(rollout_dep, exported, cfg)
     engine = RolloutEngine(pr, rollout_dep, make_ops("consistent", "rollout", cfg), dev, sample_seed=_mix(seed, 7))
     opt = build_optimizer(actor, lr=pr.train.lr, betas=pr.train.betas, weight_decay=pr.train.weight_decay)

@@ -38,7 +38,6 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from ... import ConfigError
 from ....model.config import ModelConfig
 
 
@@ -111,7 +110,6 @@ def model_config(tc, fields: DSV4Fields) -> ModelConfig:
         if not getattr(tc, f, None):
             p.append(f"{f} unset: the DSA indexer needs it")
     if p:
-        from .. import guard  # noqa: F401  (same message format as the guard)
         from ... import _problems_to_error
 
         _problems_to_error("DeepSeek-V4 actor", p)

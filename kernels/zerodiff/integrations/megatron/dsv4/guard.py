@@ -95,7 +95,10 @@ def _spec_classes(spec, seen=None):
         out.append(mod)
     subs = getattr(spec, "submodules", None)
     if subs is not None:
-        vals = subs.__dict__.values() if hasattr(subs, "__dict__") else (subs if isinstance(subs, (list, tuple)) else [])
+        if hasattr(subs, "__dict__"):
+            vals = subs.__dict__.values()
+        else:
+            vals = subs if isinstance(subs, (list, tuple)) else []
         for v in vals:
             out += _spec_classes(v, seen)
     return out

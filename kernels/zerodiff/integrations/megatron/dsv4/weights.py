@@ -254,11 +254,11 @@ def save_checkpoint(model, out, *, force: bool = False) -> dict:
     model.refresh_deployment()
     (out / "config.json").write_text(json.dumps(harness_config_json(cfg), indent=2) + "\n")
     files = {"config.json": (out / "config.json").stat().st_size}
-    files.update(_write_sharded(out, {k: v.contiguous() for k, v in export_deployment(model.deployment, cfg).items()},
-                                DEFAULT_SHARD_BYTES))
+    dep = {k: v.contiguous() for k, v in export_deployment(model.deployment, cfg).items()}
+    files.update(_write_sharded(out, dep, DEFAULT_SHARD_BYTES))
     (out / "masters").mkdir(exist_ok=True)
-    mf = _write_sharded(out / "masters", {k: v.contiguous() for k, v in masters_as_checkpoint(model.masters, cfg).items()},
-                        DEFAULT_SHARD_BYTES)
+    mas = {k: v.contiguous() for k, v in masters_as_checkpoint(model.masters, cfg).items()}
+    mf = _write_sharded(out / "masters", mas, DEFAULT_SHARD_BYTES)
     files.update({f"masters/{k}": v for k, v in mf.items()})
     return files
 
