@@ -28,7 +28,7 @@ MEGATRON_TREE = REPO / "build" / "sources" / "megatron"
 def megatron():
     """megatron-core 0.19.2 from the pinned source tree (skip when it was not fetched)."""
     if not (MEGATRON_TREE / "megatron" / "core" / "package_info.py").exists():
-        pytest.skip("build/sources/megatron absent (run `make sources`); CI does not fetch it")
+        pytest.skip("build/sources/megatron absent (run `make sources apply`)")
     if str(MEGATRON_TREE) not in sys.path:
         sys.path.insert(0, str(MEGATRON_TREE))
     with warnings.catch_warnings():

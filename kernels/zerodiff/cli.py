@@ -6,6 +6,8 @@
     zerodiff make-checkpoint  write a seeded DeepSeek-V4 checkpoint in the released FP8 layout
                               (zerodiff.checkpoint.cli)
     zerodiff vllm-check       engine-level acceptance inside real (patched) vLLM (zerodiff.vllm_check)
+    zerodiff megatron-check   the DeepSeek-V4 actor in megatron-core vs the rollout engine
+                              (zerodiff.integrations.megatron.dsv4.cli)
 
 End-to-end subcommands (``check``, ``bench``) come from ``zerodiff.e2e_cli`` when that module exists: it
 exposes ``register(subparsers)`` and each subparser it adds sets ``func`` (called with the parsed args,
@@ -53,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _register_make_checkpoint(sub)
     _register_vllm_check(sub)
+    from .integrations.megatron.dsv4.cli import register as _register_megatron_check
+
+    _register_megatron_check(sub)
     return ap
 
 

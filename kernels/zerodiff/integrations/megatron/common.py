@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
+from ...errors import WeightVersionError
+
 __all__ = ["WeightVersionError"]
-
-
-class WeightVersionError(RuntimeError):
-    """A master weight was modified in place between a zerodiff forward and its backward."""
-
 
 
 def _versions(*ts):
