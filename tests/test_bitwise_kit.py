@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from bitwise import (assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch, assert_victims_in_batch, bits,
-                     placed_rows, victim_runs)
+from bitwise import (assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch, assert_victims_in_batch,
+                     bits, placed_rows, victim_runs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
