@@ -8,8 +8,10 @@
 * :func:`assert_victim_in_batch` - a row computed alone equals the same row computed inside every batch given.
 * :func:`assert_batch_dependent` - the negative control: at least one batch changes the victim's bits (a test
   whose control never differs proves nothing).
-* :func:`victim_runs` / :func:`placed_rows` - the ``(label, row)`` pairs those two take, from a batch runner or from
-  one batched output holding several victims at known positions.
+* :func:`assert_victims_in_batch` - several victims placed in one batch (victim ``j`` at ``positions[j]``): each
+  row of the batched output equals that victim's output computed alone.
+* :func:`victim_runs` - the ``(label, row)`` pairs the single-victim checks take, from a batch runner;
+  :func:`placed_rows` - the ``(alone, label, row)`` triples of one batched output holding several victims.
 """
 
 from __future__ import annotations
