@@ -8,11 +8,15 @@
 * :func:`assert_victim_in_batch` - a row computed alone equals the same row computed inside every batch given.
 * :func:`assert_batch_dependent` - the negative control: at least one batch changes the victim's bits (a test
   whose control never differs proves nothing).
+* :func:`assert_victims_in_batch` - several victims placed in one batch (victim ``j`` at ``positions[j]``): each
+  row of the batched output equals that victim's output computed alone.
+* :func:`victim_runs` - the ``(label, row)`` pairs the single-victim checks take, from a batch runner;
+  :func:`placed_rows` - the ``(alone, label, row)`` triples of one batched output holding several victims.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -61,3 +65,22 @@ def victim_runs(run: Callable[[torch.Tensor], torch.Tensor], victim: torch.Tenso
     """For each ``(batch, pos)`` (the victim's row already placed at ``pos``), ``(label, run(batch)[pos])``."""
     for batch, pos in batches:
         yield f"at {pos} of {batch.shape[0]}", run(batch)[pos:pos + 1]
+
+
+def placed_rows(out: torch.Tensor, alone: Sequence[torch.Tensor], positions: Sequence[int],
+                label: str = "") -> list[tuple[torch.Tensor, str, torch.Tensor]]:
+    """Several victims in one batched output: victim ``j`` (computed alone as ``alone[j]``, one row) was placed at
+    ``positions[j]``. Returns ``(alone[j], label, out[p:p + 1])`` per victim; positions beyond ``len(alone)`` are an
+    error (a victim without its alone output would go unchecked)."""
+    assert len(positions) <= len(alone), f"{len(positions)} positions for {len(alone)} victims"
+    tail = f", {label}" if label else ""
+    return [(alone[j], f"{j} at {p} of {out.shape[0]}{tail}", out[p:p + 1]) for j, p in enumerate(positions)]
+
+
+def assert_victims_in_batch(out: torch.Tensor, alone: Sequence[torch.Tensor], positions: Sequence[int],
+                            label: str = "") -> None:
+    """Every victim ``j`` placed at ``positions[j]`` of the batch has, in ``out``, the bits of ``alone[j]``."""
+    rows = placed_rows(out, alone, positions, label)
+    assert rows, "no victim placed: the claim was not tested"
+    for a, lab, row in rows:
+        assert_victim_in_batch(a, [(lab, row)])

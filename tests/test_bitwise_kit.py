@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch, bits, victim_runs
+from bitwise import (assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch, assert_victims_in_batch,
+                     bits, placed_rows, victim_runs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
@@ -53,3 +54,28 @@ def test_victim_helpers():
     assert assert_batch_dependent(coupled(victim), runs)
     with pytest.raises(AssertionError, match="proves nothing"):
         assert_batch_dependent(rowwise(victim), victim_runs(rowwise, victim, batches()))
+
+
+def test_several_victims_in_one_batch():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 4, generator=g)
+    rowwise = lambda x: torch.stack([(r[:, None] * w).sum(0) for r in x])  # noqa: E731
+    v = torch.randn(3, 32, generator=g)
+    alone = [rowwise(v[j:j + 1]) for j in range(3)]
+    for M in (1, 2, 9):
+        pos = sorted({0, M // 2, M - 1})
+        b = torch.randn(M, 32, generator=g)
+        for j, p in enumerate(pos):
+            b[p] = v[j]
+        assert_victims_in_batch(rowwise(b), alone, pos, f"M={M}")
+        labels = [lab for _, lab, _ in placed_rows(rowwise(b), alone, pos)]
+        assert labels == [f"{j} at {p} of {M}" for j, p in enumerate(pos)]
+    # a wrong row (victim 1's output where victim 0 was placed) is named by victim and position
+    b = torch.randn(9, 32, generator=g)
+    b[0], b[4], b[8] = v[1], v[1], v[2]
+    with pytest.raises(AssertionError, match=r"victim 0 at 0 of 9, round 3"):
+        assert_victims_in_batch(rowwise(b), alone, [0, 4, 8], "round 3")
+    with pytest.raises(AssertionError, match="no victim"):
+        assert_victims_in_batch(rowwise(b), alone, [])
+    with pytest.raises(AssertionError, match="4 positions for 3 victims"):
+        assert_victims_in_batch(rowwise(b), alone, [0, 1, 2, 3])

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch, first_difference
 from zerodiff.model.config import CPU
 from zerodiff.model.ops import ConsistentOps, WeightVersionError, make_ops
 from zerodiff.model.weights import Deployment, init_masters
@@ -76,17 +77,18 @@ def test_engine_victim_in_batch_and_schedule_invariance():
         eng = _engine("consistent", masters, token_budget=budget, max_batch=mb)
         outs.append(eng.generate(_clone(reqs), sched))
         assert eng.stats["mixed_steps"] > 0
-    for out in outs:
-        assert torch.equal(out[victim.rid].logprobs, alone[victim.rid].logprobs)
+    for i, out in enumerate(outs):
+        assert_victim_in_batch(alone[victim.rid].logprobs, [(f"in schedule {i + 1}", out[victim.rid].logprobs)])
         assert out[victim.rid].response == alone[victim.rid].response
         for r in reqs:
             assert out[r.rid].response == outs[0][r.rid].response
-            assert torch.equal(out[r.rid].logprobs, outs[0][r.rid].logprobs)
+            assert_bitwise_equal(out[r.rid].logprobs, outs[0][r.rid].logprobs, f"request {r.rid}, schedule {i + 1}")
     # negative control: the stock inference path gives the victim different log-probs in a batch
     b_alone = _engine("baseline", masters, token_budget=(7, 7), max_batch=(1, 1)).generate(_clone([victim]), 0)
     b_batch = _engine("baseline", masters, token_budget=(64, 128), max_batch=(8, 10)).generate(_clone(reqs), 3)
     n = min(len(b_alone[victim.rid].response), len(b_batch[victim.rid].response))
-    assert not torch.equal(b_alone[victim.rid].logprobs[:n], b_batch[victim.rid].logprobs[:n])
+    assert_batch_dependent(b_alone[victim.rid].logprobs[:n], [("in schedule 3", b_batch[victim.rid].logprobs[:n])],
+                           "stock inference path")
 
 
 def test_training_packing_differs_but_logprobs_match_rollout():
@@ -100,7 +102,7 @@ def test_training_packing_differs_but_logprobs_match_rollout():
         tf = TrainingForward(p, masters, Deployment(masters), ConsistentOps(cfg))
         lp = tf.run(seqs, pack_seed=seed)
         for k, o in out.items():
-            assert torch.equal(lp[k], o.logprobs), (micro, k)
+            assert_bitwise_equal(lp[k], o.logprobs, f"sequence {k}, micro-batch {micro} tokens")
 
 
 def test_weight_version_check_raises_in_backward():
@@ -131,15 +133,17 @@ def test_step_updates_rollout_weights_in_place():
     rep = run.run_step()
     assert rep["bitwise_equal"]
     assert run.rollout_dep.data_ptrs() == ptrs
-    assert not torch.equal(before, run.rollout_dep.tensors["layers.0.wq_a"].q)
+    after = run.rollout_dep.tensors["layers.0.wq_a"].q
+    assert first_difference(before, after), "the step left the rollout weights as they were"
     # the rollout storage holds exactly the deployment rule applied to the new masters
     fresh = Deployment(run.masters)
     for k, t in fresh.tensors.items():
         d = run.rollout_dep.tensors[k]
         if hasattr(t, "q"):
-            assert torch.equal(t.q.view(torch.uint8), d.q.view(torch.uint8)) and torch.equal(t.scale, d.scale), k
+            assert_bitwise_equal(t.q.view(torch.uint8), d.q.view(torch.uint8), f"{k} q")
+            assert_bitwise_equal(t.scale, d.scale, f"{k} scale")
         else:
-            assert torch.equal(t, d), k
+            assert_bitwise_equal(t, d, k)
 
 
 def test_checkpoint_restore_continues_bit_identically(tmp_path):
@@ -157,7 +161,7 @@ def test_checkpoint_restore_continues_bit_identically(tmp_path):
         for k in ("tokens", "reward_mean", "tokens_differ"):
             assert x[k] == y[k], k
     for k in a.masters:
-        assert torch.equal(a.masters[k], c.masters[k]), k
+        assert_bitwise_equal(a.masters[k], c.masters[k], k)
 
 
 def test_gradient_check_bound_and_negative_control():
@@ -203,7 +207,7 @@ def test_diff_stops_loop_and_names_first_diverging_layer():
     assert "layer0.ffn" in str(ei.value)
     assert run.step == 0  # no update was applied
     for k, v in run.masters.items():
-        assert torch.equal(v, before[k]), k
+        assert_bitwise_equal(v, before[k], k)
 
 
 @pytest.mark.parametrize("mode", ["consistent", "baseline"])
@@ -223,7 +227,7 @@ def test_graph_decode_path_emulated_on_cpu_equals_eager(mode):
     if mode == "consistent":
         for r in reqs:
             assert res["emulate"][r.rid].response == res[False][r.rid].response
-            assert torch.equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs)
+            assert_bitwise_equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs, f"request {r.rid}")
 
 
 def test_forward_victim_decode_at_dispatch_boundaries():
@@ -256,16 +260,15 @@ def test_forward_victim_decode_at_dispatch_boundaries():
             return lg[members.index(0)]
 
         alone = decode([0])
-        same, total = 0, 0
+        runs = []
         for n in (2, 15, 16, 17, 31, 32, 33, 63, 64, 65):
             fill = list(range(1, n))
             for at in sorted({0, n // 2, n - 1}):
                 members = fill[:at] + [0] + fill[at:]
-                total += 1
-                same += int(torch.equal(decode(members), alone))
-        results[mode] = (same, total)
-    assert results["consistent"][0] == results["consistent"][1], results
-    assert results["baseline"][0] < results["baseline"][1], results  # negative control
+                runs.append((f"at {at} of {n}", decode(members)))
+        results[mode] = (alone, runs)
+    assert_victim_in_batch(*results["consistent"])
+    assert_batch_dependent(*results["baseline"], "stock inference ops")  # negative control
 
 
 def test_cuda_dispatch_branch_runs_on_cpu_through_team_references(monkeypatch):
@@ -299,7 +302,7 @@ def test_cuda_dispatch_branch_runs_on_cpu_through_team_references(monkeypatch):
         eng = RolloutEngine(CPU, Deployment(masters), make_ops("consistent", "rollout", cfg), sample_seed=1, use_graphs=g)
         res[g] = eng.generate(_clone(reqs), 3)
     for r in reqs:
-        assert torch.equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs)
+        assert_bitwise_equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs, f"request {r.rid}")
 
 
 def test_checkpointed_attention_graph_gives_the_same_gradients(monkeypatch):
@@ -323,4 +326,4 @@ def test_checkpointed_attention_graph_gives_the_same_gradients(monkeypatch):
     for k in whole:
         assert abs(whole[k] - blocks[k]) < 1e-6, (k, whole[k], blocks[k])
     for k in lp_whole:
-        assert torch.equal(lp_whole[k], lp_blocks[k])
+        assert_bitwise_equal(lp_whole[k], lp_blocks[k], f"sequence {k}")

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch
 from zerodiff.ops.fp8_quant import Fp8Weight, quant_act, quant_weight
 from zerodiff.reference import fp8_quant as ref
 
@@ -31,8 +32,8 @@ def test_quant_act_triton_matches_rule(seeded, ue8m0):
               torch.randn(3, 200, generator=g).to(torch.float32)):
         q, s = quant_act(x, ue8m0=ue8m0, backend="triton")
         q2, s2 = ref.quant_per_token_group_ref(x, 128, ue8m0)
-        assert torch.equal(q.view(U8), q2.view(U8))
-        assert torch.equal(s, s2)
+        assert_bitwise_equal(q.view(U8), q2.view(U8), f"q, {tuple(x.shape)} {x.dtype}")
+        assert_bitwise_equal(s, s2, f"scale, {tuple(x.shape)} {x.dtype}")
         if ue8m0:
             bits = s.view(torch.int32)
             assert bool(((bits & 0x7FFFFF) == 0).all()), "ue8m0 scales must be powers of two"
@@ -47,7 +48,8 @@ def test_quant_act_row_invariant(seeded):
             batch = torch.randn(M, 256, generator=g).to(torch.bfloat16) * 5
             batch[pos] = x[7]
             q, s = quant_act(batch, backend="triton")
-            assert torch.equal(q[pos].view(U8), qa[7].view(U8)) and torch.equal(s[pos], sa[7])
+            assert_victim_in_batch(qa[7].view(U8), [(f"q at {pos} of {M}", q[pos].view(U8))])
+            assert_victim_in_batch(sa[7], [(f"scale at {pos} of {M}", s[pos])])
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])
@@ -59,16 +61,19 @@ def test_quant_weight_triton_matches_rule(seeded, ue8m0):
     w[131, 4] = 1e-39
     q, s = quant_weight(w, ue8m0=ue8m0, backend="triton")
     q2, s2 = ref.quant_weight_block_ref(w, 128, ue8m0)
-    assert torch.equal(q.view(U8), q2.view(U8)) and torch.equal(s, s2)
+    assert_bitwise_equal(q.view(U8), q2.view(U8), "q")
+    assert_bitwise_equal(s, s2, "scale")
     w3 = (torch.randn(3, 256, 130, generator=g) * 0.05).to(torch.bfloat16)
     q3, s3 = quant_weight(w3, ue8m0=ue8m0, backend="triton")
     assert q3.shape == (3, 256, 130) and s3.shape == (3, 2, 2)
     for e in range(3):
         qe, se = ref.quant_weight_block_ref(w3[e], 128, ue8m0)
-        assert torch.equal(q3[e].view(U8), qe.view(U8)) and torch.equal(s3[e], se)
+        assert_bitwise_equal(q3[e].view(U8), qe.view(U8), f"expert {e} q")
+        assert_bitwise_equal(s3[e], se, f"expert {e} scale")
     # reference backend gives the same thing
     q4, s4 = quant_weight(w3, ue8m0=ue8m0, backend="reference")
-    assert torch.equal(q4.view(U8), q3.view(U8)) and torch.equal(s4, s3)
+    assert_bitwise_equal(q4.view(U8), q3.view(U8), "reference backend q")
+    assert_bitwise_equal(s4, s3, "reference backend scale")
 
 
 def test_requantize_in_place(seeded):
@@ -80,7 +85,8 @@ def test_requantize_in_place(seeded):
     fw.requantize_(w2, backend="triton")
     assert fw.q.data_ptr() == pq and fw.scale.data_ptr() == ps
     q2, s2 = ref.quant_weight_block_ref(w2)
-    assert torch.equal(fw.q.view(U8), q2.view(U8)) and torch.equal(fw.scale, s2)
+    assert_bitwise_equal(fw.q.view(U8), q2.view(U8), "requantised q")
+    assert_bitwise_equal(fw.scale, s2, "requantised scale")
     with pytest.raises(ValueError, match="requantize_"):
         fw.requantize_(w2[:128])
 
@@ -108,7 +114,7 @@ def test_negative_control_reciprocal_rule_differs(seeded):
     xf = x.float().view(64, 2, 128)
     sf = xf.abs().amax(-1).clamp(min=1e-4) / 448.0
     q_stock = (xf * (1.0 / sf[..., None])).to(torch.float8_e4m3fn).view(64, 256)
-    assert not torch.equal(q.view(U8), q_stock.view(U8))
+    assert_batch_dependent(q.view(U8), [("x * (1 / scale), amax >= 1e-4", q_stock.view(U8))], "another rule")
 
 
 def test_reference_error_bound(seeded):
@@ -122,16 +128,6 @@ def test_reference_error_bound(seeded):
     assert bool((err <= bound).all())
 
 
-def _diff(name, a, b, x):
-    """Describe the first mismatches (index, input, ours, reference) for a failing bitwise check."""
-    bad = (a != b).nonzero()
-    rows = []
-    for idx in bad[:6].tolist():
-        xi = x[tuple(idx)].item() if name == "q" else None
-        rows.append((idx, xi, a[tuple(idx)].item(), b[tuple(idx)].item()))
-    return f"{name}: {bad.shape[0]} of {a.numel()} differ; first (index, x, ours, ref): {rows}"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_gpu_quant_matches_rule(ue8m0):
@@ -140,12 +136,13 @@ def test_gpu_quant_matches_rule(ue8m0):
     x = torch.cat([x, (torch.randn(4090, 7168 + 64, generator=g) * 4).to(torch.bfloat16).cuda()])
     q, s = quant_act(x, ue8m0=ue8m0, backend="triton")
     q2, s2 = ref.quant_per_token_group_ref(x, 128, ue8m0)
-    assert torch.equal(s, s2), _diff("scale", s, s2, x)
-    assert torch.equal(q.view(U8), q2.view(U8)), _diff("q", q.view(U8), q2.view(U8), x)
+    assert_bitwise_equal(s, s2, "scale")
+    assert_bitwise_equal(q.view(U8), q2.view(U8), "q")
     w = (torch.randn(2048 + 64, 7168, generator=g) * 0.02).to(torch.bfloat16).cuda()
     qw, sw = quant_weight(w, ue8m0=ue8m0, backend="triton")
     qw2, sw2 = ref.quant_weight_block_ref(w, 128, ue8m0)
-    assert torch.equal(qw.view(U8), qw2.view(U8)) and torch.equal(sw, sw2)
+    assert_bitwise_equal(qw.view(U8), qw2.view(U8), "weight q")
+    assert_bitwise_equal(sw, sw2, "weight scale")
 
 
 @pytest.mark.gpu
@@ -159,4 +156,5 @@ def test_gpu_quant_act_victim_in_batch():
                 b = pool[:M].clone()
                 b[pos] = pool[-1]
                 q, s = quant_act(b, backend="triton")
-                assert torch.equal(q[pos].view(U8), qa[0].view(U8)) and torch.equal(s[pos], sa[0]), (M, pos)
+                assert_victim_in_batch(qa[0].view(U8), [(f"q at {pos} of {M}", q[pos].view(U8))])
+                assert_victim_in_batch(sa[0], [(f"scale at {pos} of {M}", s[pos])])

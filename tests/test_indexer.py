@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch
 from zerodiff.ops import indexer as ix
 from zerodiff.reference import indexer as ref
 from zerodiff.reference.fp8_quant import quant_per_token_group_ref
@@ -45,11 +46,11 @@ def test_index_cache_write_matches_fp8_rule(seeded, backend):
     c2 = torch.zeros_like(cache)
     ix.write_index_cache(torch.cat([k, torch.ones(1, D, dtype=torch.bfloat16)]), c2,
                          torch.cat([slots, torch.tensor([-1])]), backend=backend)
-    assert torch.equal(c2, cache)
+    assert_bitwise_equal(c2, cache, f"{backend} write (with a -1 slot) vs the setup's write")
     q, s = quant_per_token_group_ref(k, D)
     flat = cache.view(-1, D + 4)[slots]
-    assert torch.equal(flat[:, :D], q.view(torch.uint8))
-    assert torch.equal(flat[:, D:].contiguous().view(torch.float32)[:, 0], s[:, 0])
+    assert_bitwise_equal(flat[:, :D], q.view(torch.uint8), "fp8 codes")
+    assert_bitwise_equal(flat[:, D:].contiguous().view(torch.float32)[:, 0], s[:, 0], "scales")
 
 
 def test_triton_scores_match_reference_and_mask_causally(seeded):
@@ -63,7 +64,7 @@ def test_triton_scores_match_reference_and_mask_causally(seeded):
     a = ix.index_scores(q, w, cache, bt, req, pos, W, backend="triton")
     b = ref.index_scores_ref(q, w, cache, bt, req, pos, W)
     fin = torch.isfinite(b)
-    assert torch.equal(fin, torch.isfinite(a))
+    assert_bitwise_equal(torch.isfinite(a), fin, "finite (unmasked) scores")
     for t in range(T):
         assert int(fin[t].sum()) == int(pos[t]) + 1
     assert torch.allclose(a[fin], b[fin], rtol=1e-5, atol=1e-6 * float(b[fin].abs().max()))
@@ -84,7 +85,7 @@ def test_prefill_equals_decode_equals_victim_in_batch(seeded):
     q1, w1 = _queries(g, 7)
     for t in (0, 15, 16, 17, 63, 79):
         one = ix.index_scores(q[t : t + 1], w[t : t + 1], cache, bt, req[:1], pos[t : t + 1], W, backend="triton")
-        assert torch.equal(one[0].view(torch.int32), full[t].view(torch.int32)), t
+        assert_victim_in_batch(one[0].view(torch.int32), [(f"scores at {t} of {T}", full[t].view(torch.int32))])
         # victim among request-1 rows, at the front and at the back
         for front in (True, False):
             qs = torch.cat([q[t : t + 1], q1]) if front else torch.cat([q1, q[t : t + 1]])
@@ -92,9 +93,10 @@ def test_prefill_equals_decode_equals_victim_in_batch(seeded):
             rq = torch.tensor([0] + [1] * 7 if front else [1] * 7 + [0], dtype=torch.int32)
             ps = torch.tensor([t] + list(range(43, 50)) if front else list(range(43, 50)) + [t], dtype=torch.int32)
             top = ix.indexer_topk(qs, ws, cache, bt, rq, ps, k, W, backend="triton")
-            assert torch.equal(top[0 if front else 7], full_top[t]), (t, front)
+            assert_victim_in_batch(full_top[t], [(f"top-k of position {t} at {0 if front else 7} of 8 (request-1 rows)",
+                                                  top[0 if front else 7])])
     # the kernel's selection == the reference selection on the kernel's own scores
-    assert torch.equal(full_top[k:], deterministic_topk_ref(full, k, (pos + 1))[k:])
+    assert_bitwise_equal(full_top[k:], deterministic_topk_ref(full, k, (pos + 1))[k:], "selection vs reference")
 
 
 def test_short_context_static_rule_equals_scored_path(seeded):
@@ -107,15 +109,15 @@ def test_short_context_static_rule_equals_scored_path(seeded):
     q, w = _queries(g, 6)
     fast = ix.indexer_topk(q, w, cache, bt, req, pos, k, W, shortcut=True, backend="triton")
     scored = ix.indexer_topk(q, w, cache, bt, req, pos, k, W, shortcut=False, backend="triton")
-    assert torch.equal(fast, scored)
+    assert_bitwise_equal(fast, scored, "static short-context rule vs scored path")
     assert fast[0].tolist() == [0] + [-1] * (k - 1)
     assert fast[2].tolist() == list(range(23, -1, -1))
     # the shortcut is decided per row: a long row in the batch does not change a short row's output
     alone = ix.indexer_topk(q[1:2], w[1:2], cache, bt, req[1:2], pos[1:2], k, W, backend="triton")
-    assert torch.equal(alone[0], fast[1])
+    assert_victim_in_batch(alone[0], [("short row at 1 of 6", fast[1])])
     # and the reference path agrees
     r = ix.indexer_topk(q, w, cache, bt, req, pos, k, W, backend="reference")
-    assert torch.equal(r[:3], fast[:3])
+    assert_bitwise_equal(r[:3], fast[:3], "reference backend, short rows")
 
 
 def test_negative_control_stock_topk_order_differs(seeded):
@@ -129,8 +131,8 @@ def test_negative_control_stock_topk_order_differs(seeded):
     s = ix.index_scores(q, w, cache, bt, req, pos, 64, backend="triton")
     ours = ix.indexer_topk(q, w, cache, bt, req, pos, 16, 64, backend="triton")
     stock = torch.topk(s, 16, dim=-1).indices.to(torch.int32)
-    assert not torch.equal(stock, ours)
-    assert torch.equal(stock.sort(dim=-1, descending=True).values, ours)  # same set, different order
+    assert_batch_dependent(ours, [("torch.topk indices", stock)], "stock top-k order")
+    assert_bitwise_equal(stock.sort(dim=-1, descending=True).values, ours, "same set")  # different order
 
 
 def test_bad_inputs(seeded):
@@ -172,7 +174,7 @@ def test_gpu_indexer_invariance_graphs_and_reference():
     ref.write_index_cache_ref(kk, c_ref, sl)
     c_gpu = torch.zeros_like(c_ref).to(dev)
     ix.write_index_cache(kk.to(dev), c_gpu, sl.to(dev))
-    assert torch.equal(c_gpu.cpu(), c_ref)
+    assert_bitwise_equal(c_gpu.cpu(), c_ref, "written index cache")
     T = 129
     q = torch.randn(T, H, d, generator=g).to(torch.bfloat16)
     q_fp8, qs = ix.quant_index_q(q)
@@ -192,7 +194,7 @@ def test_gpu_indexer_invariance_graphs_and_reference():
             rows = rows.to(dev)
             assert int(rows[where]) == 0
             out = ix.indexer_topk(q_fp8[rows], w[rows], cache, bt, req[rows], pos[rows], k, W)
-            assert torch.equal(out[where], full[0]), (B, where)
+            assert_victim_in_batch(full[0], [(f"at {where} of {B}", out[where])])
     # CUDA graph replay == eager, repeated; shortcut == scored path
     kw = dict(check=False)
     s = torch.cuda.Stream()
@@ -206,10 +208,10 @@ def test_gpu_indexer_invariance_graphs_and_reference():
     for _ in range(10):
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(gout, full)
-    assert torch.equal(ix.indexer_topk(q_fp8, w, cache, bt, req, pos, k, W, shortcut=False), full)
+        assert_bitwise_equal(gout, full, "graph replay vs eager")
+    assert_bitwise_equal(ix.indexer_topk(q_fp8, w, cache, bt, req, pos, k, W, shortcut=False), full, "scored path")
     # negative control: stock torch.topk on the same scores selects in score order, not position order
     L = (pos + 1).clamp(max=W)
     long_rows = L > k
     st = torch.topk(sc[long_rows], k, dim=-1).indices.to(torch.int32)
-    assert not torch.equal(st, full[long_rows])
+    assert_batch_dependent(full[long_rows], [("torch.topk indices", st)], "stock top-k order")

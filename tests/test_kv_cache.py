@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from bitwise import assert_bitwise_equal, assert_victim_in_batch
 from zerodiff.ops import kv_cache as kc
 from zerodiff.reference import kv_cache as ref
 from zerodiff.reference.fp8_quant import quant_per_token_group_ref
@@ -37,12 +38,12 @@ def test_reference_roundtrip_matches_fp8_rule(seeded):
     packed = ref.quantize_kv_ref(x, rope)
     assert packed.shape == (12, 656)
     q, s = quant_per_token_group_ref(x, 128)
-    assert torch.equal(packed[:, :512], q.view(torch.uint8))
-    assert torch.equal(packed[:, 512:528].contiguous().view(torch.float32), s)
+    assert_bitwise_equal(packed[:, :512], q.view(torch.uint8), "packed fp8 codes")
+    assert_bitwise_equal(packed[:, 512:528].contiguous().view(torch.float32), s, "packed scales")
     deq = ref.dequantize_kv_ref(packed)
     want = (q.float().reshape(12, 4, 128) * s[..., None]).reshape(12, 512).to(torch.bfloat16)
-    assert torch.equal(deq[:, :512], want)
-    assert torch.equal(deq[:, 512:].view(torch.int16), rope.view(torch.int16))
+    assert_bitwise_equal(deq[:, :512], want, "dequantised nope part")
+    assert_bitwise_equal(deq[:, 512:].view(torch.int16), rope.view(torch.int16), "rope part")
 
 
 def _setup(g, dims, nb=10, bs=4, lens=(7, 13, 2)):
@@ -79,7 +80,7 @@ def test_write_then_read_returns_quantised_values(seeded, backend):
     # bytes at each slot == reference packing
     packed = ref.quantize_kv_ref(x, rope)
     flat = cache.view(-1, cache.shape[-1])
-    assert torch.equal(flat[slots], packed)
+    assert_bitwise_equal(flat[slots], packed, "bytes at the slots")
     # untouched slots stay zero
     mask = torch.ones(flat.shape[0], dtype=torch.bool)
     mask[slots] = False
@@ -101,7 +102,8 @@ def test_write_then_read_returns_quantised_values(seeded, backend):
             if p < 0:
                 assert int((ws[b, j] != 0).sum()) == 0
             else:
-                assert torch.equal(ws[b, j].view(torch.int16), deq[index[(b, p)]].view(torch.int16))
+                assert_bitwise_equal(ws[b, j].view(torch.int16), deq[index[(b, p)]].view(torch.int16),
+                                     f"request {b} workspace row {j} (position {p})")
 
 
 def test_triton_gather_equals_reference_and_is_row_invariant(seeded):
@@ -118,11 +120,11 @@ def test_triton_gather_equals_reference_and_is_row_invariant(seeded):
         pos[r, :k] = torch.randperm(L, generator=g)[:k].to(torch.int32)
     a = kc.gather_kv(cache, bt, req, pos, **SMALL, backend="triton")
     b = kc.gather_kv(cache, bt, req, pos, **SMALL, backend="reference")
-    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert_bitwise_equal(a.view(torch.int16), b.view(torch.int16), "triton vs reference gather")
     # a single row gathered alone (decode) == the same row inside the batch (prefill)
     for r in (0, 3, 5):
         one = kc.gather_kv(cache, bt, req[r : r + 1], pos[r : r + 1], **SMALL, backend="triton")
-        assert torch.equal(one[0].view(torch.int16), a[r].view(torch.int16))
+        assert_victim_in_batch(one[0].view(torch.int16), [(f"at {r} of {R}", a[r].view(torch.int16))])
 
 
 def test_write_from_strided_latent_slices(seeded):
@@ -134,7 +136,7 @@ def test_write_from_strided_latent_slices(seeded):
     b = kc.new_kv_cache(4, 4, **SMALL)
     kc.write_kv_cache(kv[:, :128], kv[:, 128:], a, slots, **SMALL, backend="triton")
     ref.write_kv_cache_ref(kv[:, :128].contiguous(), kv[:, 128:].contiguous(), b, slots)
-    assert torch.equal(a, b)
+    assert_bitwise_equal(a, b, "strided latent slices vs contiguous reference")
 
 
 def test_workspace_indices():
@@ -195,7 +197,7 @@ def test_gpu_write_and_gather_bitwise_equal_reference_full_layout():
     cache_ref = cache.clone().cpu()
     kc.write_kv_cache(x.to(dev), rope.to(dev), cache, slots.to(dev), backend="triton")
     ref.write_kv_cache_ref(x, rope, cache_ref, slots)
-    assert torch.equal(cache.cpu(), cache_ref)
+    assert_bitwise_equal(cache.cpu(), cache_ref, "written cache")
     # one request owning all blocks in a shuffled order
     bt = torch.randperm(nb, generator=g).to(torch.int32)[None]
     R, W = 33, 2048
@@ -204,7 +206,7 @@ def test_gpu_write_and_gather_bitwise_equal_reference_full_layout():
     req = torch.zeros(R, dtype=torch.int32)
     a = kc.gather_kv(cache, bt.to(dev), req.to(dev), pos.to(dev), backend="triton")
     b = ref.gather_kv_ref(cache_ref, bt, req, pos)
-    assert torch.equal(a.cpu().view(torch.int16), b.view(torch.int16))
+    assert_bitwise_equal(a.cpu().view(torch.int16), b.view(torch.int16), "triton vs reference gather")
     for r in (0, 16, 32):  # decode (one row) == the row inside the batch
         one = kc.gather_kv(cache, bt.to(dev), req[r : r + 1].to(dev), pos[r : r + 1].to(dev), backend="triton")
-        assert torch.equal(one[0].view(torch.int16), a[r].view(torch.int16))
+        assert_victim_in_batch(one[0].view(torch.int16), [(f"at {r} of {R}", a[r].view(torch.int16))])

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch
 from zerodiff.ops import moe
 from zerodiff.reference.moe import moe_experts_ref, route_ref
 
@@ -28,11 +29,13 @@ def test_route_triton_matches_reference(seeded, scoring):
     bias = (torch.randn(24, generator=g) * 0.01) if scoring == "sigmoid" else None
     w, ids = moe.route(logits, 4, scoring=scoring, bias=bias, routed_scale=2.5, backend="triton")
     wr, idr = route_ref(logits, 4, scoring=scoring, bias=bias, routed_scale=2.5)
-    assert ids.dtype == torch.int32 and torch.equal(ids, idr)
+    assert ids.dtype == torch.int32
+    assert_bitwise_equal(ids, idr, f"{scoring} expert ids")
     assert torch.allclose(w, wr, rtol=1e-5, atol=1e-6)
     assert bool((ids[:, :-1] > ids[:, 1:]).all()), "slot order must be expert id descending"
     w1, ids1 = moe.route(logits[3:4], 4, scoring=scoring, bias=bias, routed_scale=2.5, backend="triton")
-    assert torch.equal(w1, w[3:4]) and torch.equal(ids1, ids[3:4])
+    assert_victim_in_batch(w1, [("weights at 3 of 7", w[3:4])])
+    assert_victim_in_batch(ids1, [("ids at 3 of 7", ids[3:4])])
 
 
 def test_route_ties_go_to_larger_expert_and_weights_normalised():
@@ -43,7 +46,7 @@ def test_route_ties_go_to_larger_expert_and_weights_normalised():
     assert ids[1].tolist() == [6, 3]
     assert torch.allclose(w.sum(1), torch.ones(2))
     wt, idt = moe.route(logits, 2, backend="triton")
-    assert torch.equal(idt, ids)
+    assert_bitwise_equal(idt, ids, "triton ids on ties")
 
 
 def test_route_errors():
@@ -107,10 +110,10 @@ def test_combine_triton_equals_torch_and_slot_order(seeded):
     w = torch.rand(6, 3, generator=g)
     a = moe.combine(y, dest, w, backend="triton")
     b = moe.combine(y, dest, w, backend="reference")
-    assert torch.equal(a, b)
+    assert_bitwise_equal(a, b, "triton vs reference combine")
     manual = ((0.0 + w[:, 0:1] * y[dest[:, 0]].float()) + w[:, 1:2] * y[dest[:, 1]].float()) \
         + w[:, 2:3] * y[dest[:, 2]].float()
-    assert torch.equal(a, manual)
+    assert_bitwise_equal(a, manual, "slot-order fp32 combine")
 
 
 # ------------------------------------------------------------------------------------------- experts
@@ -123,12 +126,13 @@ def test_masked_equals_contiguous_and_reference(seeded):
     w, ids = _routing(g, T, E, k)
     oc = moe.moe_experts(x, w, ids, ex, layout="contiguous", backend="triton", act_backend="reference")
     om = moe.moe_experts(x, w, ids, ex, layout="masked", capacity=T, backend="triton", act_backend="reference")
-    assert oc.dtype == torch.float32 and torch.equal(oc, om)
+    assert oc.dtype == torch.float32
+    assert_bitwise_equal(oc, om, "contiguous vs masked layout")
     r = moe_experts_ref(x, w, ids, ex.w13.q, ex.w13.scale, ex.w2.q, ex.w2.scale)
-    assert torch.equal(oc, r)
+    assert_bitwise_equal(oc, r, "triton vs reference experts")
     # reference backend, same plumbing
     orf = moe.moe_experts(x, w, ids, ex, layout="masked", capacity=5, backend="reference")
-    assert torch.equal(orf, r)
+    assert_bitwise_equal(orf, r, "reference backend, masked, capacity 5")
 
 
 def test_victim_token_independent_of_batch_and_loads(seeded):
@@ -147,7 +151,7 @@ def test_victim_token_independent_of_batch_and_loads(seeded):
             ids[: T // 2] = vid
         x[pos], w[pos], ids[pos] = v[0], vw[0], vid[0]
         o = moe.moe_experts(x, w, ids, ex, layout=layout, capacity=T, backend="triton", act_backend="reference")
-        assert torch.equal(o[pos : pos + 1], alone), (T, pos, layout)
+        assert_victim_in_batch(alone, [(f"at {pos} of {T}, {layout}", o[pos : pos + 1])])
 
 
 def test_full_triton_path_small(seeded):
@@ -159,7 +163,7 @@ def test_full_triton_path_small(seeded):
     w, ids = _routing(g, T, E, k)
     oc = moe.moe_experts(x, w, ids, ex, layout="contiguous", backend="triton")
     om = moe.moe_experts(x, w, ids, ex, layout="masked", capacity=T, backend="triton")
-    assert torch.equal(oc, om)
+    assert_bitwise_equal(oc, om, "contiguous vs masked layout")
     r = moe_experts_ref(x, w, ids, ex.w13.q, ex.w13.scale, ex.w2.q, ex.w2.scale)
     assert torch.allclose(oc, r, rtol=0.05, atol=0.05)
 
@@ -175,7 +179,7 @@ def test_shared_expert_and_finish(seeded):
     assert s.shape == (5, 256) and s.dtype == torch.bfloat16
     routed = torch.randn(5, 256, generator=g)
     out = moe.finish(routed, s)
-    assert torch.equal(out, (routed + s.float()).to(torch.bfloat16))
+    assert_bitwise_equal(out, (routed + s.float()).to(torch.bfloat16), "finish = one fp32 add, one rounding")
 
 
 def test_errors(seeded):
@@ -218,8 +222,8 @@ def test_negative_control_layout_dependent_stock_combine(seeded):
     stock_m = torch.zeros(T, 64, dtype=torch.bfloat16)
     for j in range(k):
         stock_m += (w[:, j : j + 1] * y_tok[:, j].float()).to(torch.bfloat16)
-    assert not torch.equal(stock_c, stock_m), "stock combines agreed across layouts: control proves nothing"
-    assert not torch.equal(stock_c, ours.to(torch.bfloat16))
+    assert_batch_dependent(stock_c, [("masked stock combine", stock_m)], "stock combine across layouts")
+    assert_batch_dependent(ours.to(torch.bfloat16), [("contiguous stock combine", stock_c)], "stock combine")
 
 
 # ------------------------------------------------------------------------------------------- GPU
@@ -241,7 +245,7 @@ def test_gpu_moe_victim_and_layouts(H):
 
     v = pool[-1:]
     alone = run(v, "masked")
-    assert torch.equal(alone, run(v, "contiguous"))
+    assert_bitwise_equal(alone, run(v, "contiguous"), "masked vs contiguous alone")
     for rnd in range(2):
         for M in GPU_MS:
             b = pool[:M].clone() if rnd == 0 else pool[:M].flip(0).clone()
@@ -250,7 +254,7 @@ def test_gpu_moe_victim_and_layouts(H):
                 bb[p] = v[0]
                 for layout in ("contiguous", "masked"):
                     o = run(bb, layout)
-                    assert torch.equal(o[p : p + 1], alone), (H, M, p, layout, rnd)
+                    assert_victim_in_batch(alone, [(f"at {p} of {M}, H={H}, {layout}, round {rnd}", o[p : p + 1])])
                 if M > 100:
                     break  # large M: one position per round keeps the test short
 
@@ -281,14 +285,14 @@ def test_gpu_negative_control_stock_moe():
         return out
 
     alone = stock(pool[-1:])
-    differs = False
-    for M in (16, 33, 65, 128, 1000):
-        b = pool[:M].clone()
-        b[0] = pool[-1]
-        if not torch.equal(stock(b)[:1], alone):
-            differs = True
-            break
-    assert differs, "stock MoE composition was batch-invariant here: the victim test would prove nothing"
+
+    def runs():
+        for M in (16, 33, 65, 128, 1000):
+            b = pool[:M].clone()
+            b[0] = pool[-1]
+            yield f"at 0 of {M}", stock(b)[:1]
+
+    assert_batch_dependent(alone, runs(), "stock MoE composition")
 
 
 @pytest.mark.gpu
@@ -316,4 +320,4 @@ def test_gpu_moe_deepgemm_backend_verified_or_refused():
         idx = torch.cat([torch.arange(M - 1, device="cuda"), torch.tensor([1000], device="cuda")])
         for layout in ("contiguous", "masked"):
             o = moe.moe_experts(pool[idx], w[idx], ids[idx], ex, layout=layout, capacity=M, backend="deepgemm")
-            assert torch.equal(o[-1:], alone), (M, layout)
+            assert_victim_in_batch(alone, [(f"at {M - 1} of {M}, {layout}", o[-1:])])

@@ -5,16 +5,13 @@ residual add (exact), negative controls, bad inputs."""
 import pytest
 import torch
 
+from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch, first_difference
 from zerodiff import _triton as zt
 from zerodiff.ops.rmsnorm import rms_norm
 from zerodiff.reference.rmsnorm import pairwise_sum_fp32, rms_norm_f64, rms_norm_ref
 
 CPU_TRITON = zt.HAVE_TRITON and zt.INTERPRET
 cpu_triton = pytest.mark.skipif(not CPU_TRITON, reason="needs Triton's CPU interpreter (no CUDA)")
-
-
-def beq(a, b):
-    return a.shape == b.shape and torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))
 
 
 def ulp_close(a, b, ulps=1):
@@ -82,8 +79,8 @@ def test_reference_close_to_f64(seeded):
         # one final bf16 rounding (2^-8 relative) plus FP32 noise
         assert bool(((y.double() - f).abs() <= f.abs() * 2.0**-8 * 1.01 + 1e-30).all())
         y2, r2 = rms_norm_ref(x, w, 1e-6, residual=x)
-        assert beq(r2, (x.float() * 2).to(torch.bfloat16))
-        assert beq(y2, rms_norm_ref(r2, w, 1e-6))
+        assert_bitwise_equal(r2, (x.float() * 2).to(torch.bfloat16), f"H={H} residual sum")
+        assert_bitwise_equal(y2, rms_norm_ref(r2, w, 1e-6), f"H={H} fused vs add-then-norm")
 
 
 def test_reduction_order_matters_control(seeded):
@@ -92,7 +89,8 @@ def test_reduction_order_matters_control(seeded):
     g = seeded()
     H = 4096
     x, w = _rand(g, (64, H), 3.0), _rand(g, (H,))
-    assert not beq(_sequential_order_ref(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    assert_batch_dependent(rms_norm_ref(x, w, 1e-6), [("left-to-right sum", _sequential_order_ref(x, w, 1e-6))],
+                           "another reduction order")
 
 
 @pytest.mark.parametrize("backend", ["reference"] + (["triton"] if CPU_TRITON else []))
@@ -134,10 +132,11 @@ def test_interpreter_close_to_reference(seeded, H):
         res = _rand(g, (x.shape[0], H), 2.0)
         y, r = rms_norm(x, w, 1e-6, residual=res, backend="triton")
         yr, rr = rms_norm_ref(x, w, 1e-6, residual=res)
-        assert ulp_close(y, yr) and beq(r, rr)
+        assert ulp_close(y, yr)
+        assert_bitwise_equal(r, rr, f"H={H} residual sum vs reference")
         # fused residual == add-then-norm
-        assert beq(r, (x.float() + res.float()).to(torch.bfloat16))
-        assert beq(y, rms_norm(r, w, 1e-6, backend="triton"))
+        assert_bitwise_equal(r, (x.float() + res.float()).to(torch.bfloat16), f"H={H} residual sum")
+        assert_bitwise_equal(y, rms_norm(r, w, 1e-6, backend="triton"), f"H={H} fused vs add-then-norm")
 
 
 @cpu_triton
@@ -147,10 +146,12 @@ def test_interpreter_shapes_and_strides(seeded):
     w = _rand(g, (H,))
     x3 = _rand(g, (2, 3, H))
     y3 = rms_norm(x3, w, backend="triton")
-    assert y3.shape == x3.shape and beq(y3.reshape(6, H), rms_norm(x3.reshape(6, H), w, backend="triton"))
+    assert y3.shape == x3.shape
+    assert_bitwise_equal(y3.reshape(6, H), rms_norm(x3.reshape(6, H), w, backend="triton"), "3-d input")
     big = _rand(g, (4, 2 * H))
     view = big[:, :H]  # row stride 2H
-    assert beq(rms_norm(view, w, backend="triton"), rms_norm(view.contiguous(), w, backend="triton"))
+    assert_bitwise_equal(rms_norm(view, w, backend="triton"), rms_norm(view.contiguous(), w, backend="triton"),
+                         "strided rows")
     assert ulp_close(rms_norm(view, w, backend="triton"), rms_norm_ref(view.contiguous(), w))
     assert rms_norm(torch.zeros(0, H, dtype=torch.bfloat16), w, backend="triton").shape == (0, H)
 
@@ -169,10 +170,12 @@ def test_interpreter_victim_in_batch(seeded):
         for M in (1, 2, 15, 17):
             for pos in sorted({0, M // 2, M}):
                 x = torch.cat([_rand(g, (pos, H), 1.0 + rnd), victim, _rand(g, (M - pos, H))])
-                assert beq(rms_norm(x, w, backend="triton")[pos:pos + V], alone), (M, pos)
+                at = f"at {pos} of {M + V}, round {rnd}"
+                assert_victim_in_batch(alone, [(at, rms_norm(x, w, backend="triton")[pos:pos + V])])
                 res = torch.cat([_rand(g, (pos, H)), res_v, _rand(g, (M - pos, H))])
                 y, r = rms_norm(x, w, residual=res, backend="triton")
-                assert beq(y[pos:pos + V], alone_y) and beq(r[pos:pos + V], alone_r)
+                assert_victim_in_batch(alone_y, [(f"y {at}", y[pos:pos + V])])
+                assert_victim_in_batch(alone_r, [(f"residual {at}", r[pos:pos + V])])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -206,7 +209,8 @@ def test_gpu_close_to_cpu_reference(seeded, H):
           "elements 1 ulp off the pairwise-tree CPU reference")
     y2, r2 = rms_norm(x.cuda(), w.cuda(), 1e-6, residual=res.cuda())
     yr, rr = rms_norm_ref(x, w, 1e-6, residual=res)
-    assert ulp_close(y2, yr) and beq(r2, rr)
+    assert ulp_close(y2, yr)
+    assert_bitwise_equal(r2.cpu(), rr, "residual sum vs reference")
 
 
 @pytest.mark.gpu
@@ -225,9 +229,11 @@ def test_gpu_victim_in_batch(seeded, H):
             for pos in sorted({0, M // 2, M}):
                 x = torch.cat([_rand_cuda(gc, (pos, H), 1.0 + rnd), victim, _rand_cuda(gc, (M - pos, H))])
                 res = torch.cat([_rand_cuda(gc, (pos, H)), res_v, _rand_cuda(gc, (M - pos, H))])
-                assert beq(rms_norm(x, w)[pos:pos + V], alone), (H, M, pos)
+                at = f"at {pos} of {M + V}, H={H}, round {rnd}"
+                assert_victim_in_batch(alone, [(at, rms_norm(x, w)[pos:pos + V])])
                 y, r = rms_norm(x, w, residual=res)
-                assert beq(y[pos:pos + V], alone_y) and beq(r[pos:pos + V], alone_r), (H, M, pos)
+                assert_victim_in_batch(alone_y, [(f"y {at}", y[pos:pos + V])])
+                assert_victim_in_batch(alone_r, [(f"residual {at}", r[pos:pos + V])])
 
 
 @pytest.mark.gpu
@@ -248,7 +254,7 @@ def test_gpu_negative_control(seeded):
     varies = 0
     for M in GPU_MS:
         s1 = torch.nn.functional.rms_norm(x[:M], (H,), w, 1e-6)
-        varies += int(not torch.equal(s1[:1].view(torch.int16), stock[:1].view(torch.int16)))
+        varies += int(bool(first_difference(s1[:1], stock[:1])))
     print(f"stock F.rms_norm differs from ours in {d_stock:.4%} (bf16 eager) / {d_stock32:.4%} (fp32) of "
           f"elements; row 0 of stock changes with batch size at {varies} of {len(GPU_MS)} sizes")
-    assert d_stock > 0 or d_stock32 > 0
+    assert_batch_dependent(ours, [("F.rms_norm bf16", stock), ("F.rms_norm fp32", stock32)], "stock F.rms_norm")

@@ -7,6 +7,7 @@ native casts (``EXACT=False``) are checked.
 import pytest
 import torch
 
+from bitwise import assert_batch_dependent, assert_bitwise_equal
 from zerodiff import _triton as zt
 from zerodiff.reference.fp8_quant import e4m3_rne_saturate
 
@@ -49,8 +50,8 @@ def _run(x, exact, device):
 
 
 def _check(x, bf, f8):
-    assert torch.equal(bf, x.to(torch.bfloat16).view(torch.int16))
-    assert torch.equal(f8, e4m3_rne_saturate(x).view(torch.uint8))
+    assert_bitwise_equal(bf, x.to(torch.bfloat16).view(torch.int16), "fp32 -> bf16 (RNE)")
+    assert_bitwise_equal(f8, e4m3_rne_saturate(x).view(torch.uint8), "fp32 -> e4m3 (RNE, saturating)")
 
 
 def test_exact_casts_match_reference(seeded):
@@ -59,7 +60,7 @@ def test_exact_casts_match_reference(seeded):
     _check(x, *_run(x, True, device))
     # negative control: plain truncation of fp32->bf16 must differ on this input set
     trunc = (x.view(torch.int32) >> 16).to(torch.int16)
-    assert not torch.equal(trunc, x.to(torch.bfloat16).view(torch.int16))
+    assert_batch_dependent(x.to(torch.bfloat16).view(torch.int16), [("truncation", trunc)], "another rounding rule")
 
 
 @pytest.mark.gpu
