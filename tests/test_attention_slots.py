@@ -1,4 +1,4 @@
-"""The one block-table slot resolution of the attention backends (``zerodiff.ops.attention.slots``): the Triton
+"""The one block-table slot resolution of the attention backends (``zerodiff.ops.block_slots``): the Triton
 device function against its torch twin, bit for bit, on adversarial block tables (holes, negative and
 out-of-range block ids, positions past the table, -1 / -2 entries, a zero-width table, block sizes that are not
 powers of two, int32 and int64 positions); the twin against a plain Python loop; and the readers built on it
@@ -11,7 +11,7 @@ from bitwise import assert_bitwise_equal
 
 from zerodiff._triton import HAVE_TRITON, triton_usable_for
 from zerodiff.ops.attention import flashmla_fp8 as fd
-from zerodiff.ops.attention.slots import resolve_slots_torch
+from zerodiff.ops.block_slots import resolve_slots_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not (HAVE_TRITON and triton_usable_for(torch.device(DEVICE))),
@@ -26,7 +26,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from zerodiff.ops.attention.slots import resolve_slots
+    from zerodiff.ops.block_slots import resolve_slots
 
     @triton.jit
     def _slots_kernel(pos_ptr, req_ptr, bt_ptr, bt_s0, slot_ptr, ok_ptr, valid_ptr, K, num_blocks, max_blocks,

@@ -142,7 +142,7 @@ def backends_reaching_the_dispatcher(graph: dict[str, set[str]]) -> list[list[st
 def test_no_attention_backend_imports_the_dispatcher():
     graph = import_graph()
     backends = [m for m in graph if m.startswith(ATTENTION + ".")]
-    assert {"zerodiff.ops.attention.flashmla_fp8", "zerodiff.ops.attention.slots"} <= set(backends), backends
+    assert {"zerodiff.ops.attention.flashmla_fp8", "zerodiff.ops.attention.checks"} <= set(backends), backends
     assert {m for m in graph[ATTENTION] if m.startswith(ATTENTION + ".")}, "the dispatcher imports its backends"
     assert backends_reaching_the_dispatcher(graph) == []
 
@@ -150,11 +150,11 @@ def test_no_attention_backend_imports_the_dispatcher():
 def test_the_dispatcher_check_finds_planted_imports():
     graph = import_graph()
     # a backend importing the dispatcher directly (``from . import sparse_mla_attention``)
-    graph["zerodiff.ops.attention.slots"] = graph["zerodiff.ops.attention.slots"] | {ATTENTION}
+    graph["zerodiff.ops.attention.triton_split"] = graph["zerodiff.ops.attention.triton_split"] | {ATTENTION}
     # and one through a module outside the package
     graph["zerodiff.ops.attention.checks"] = graph["zerodiff.ops.attention.checks"] | {"zerodiff.model.ops"}
     chains = backends_reaching_the_dispatcher(graph)
-    assert ["zerodiff.ops.attention.slots", ATTENTION] in chains, chains
+    assert ["zerodiff.ops.attention.triton_split", ATTENTION] in chains, chains
     assert any(c[0] == "zerodiff.ops.attention.checks" and "zerodiff.model.ops" in c and c[-1] == ATTENTION
                for c in chains), chains
 

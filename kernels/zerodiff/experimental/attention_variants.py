@@ -100,7 +100,7 @@ if zt.HAVE_TRITON:
     import triton.language as tl
 
     from zerodiff._triton import cache_row_offset, cast_bf16
-    from zerodiff.ops.attention.slots import resolve_slots
+    from zerodiff.ops.block_slots import resolve_slots
 
     @triton.jit
     def _split_pf_resolve(pos_ptr, pos_s0, r, n, n_end, K, bt_ptr, bt_s0, req, num_blocks, max_blocks,

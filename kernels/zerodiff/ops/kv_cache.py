@@ -64,6 +64,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from .block_slots import resolve_slots
+
     from .._triton import cache_row_offset, cast_bf16, cast_e4m3
 
     @triton.jit
@@ -101,13 +103,9 @@ if HAVE_TRITON:
         jm = j < W
         req = tl.load(req_ptr + r).to(tl.int64)
         pos = tl.load(pos_ptr + r * pos_stride + j, mask=jm, other=-1).to(tl.int64)
-        empty = pos < 0
-        lb = tl.where(empty, 0, pos // BLOCK_SIZE)
-        in_table = lb < max_blocks
-        blk = tl.load(bt_ptr + req * bt_stride + lb, mask=jm & (~empty) & in_table, other=-1).to(tl.int64)
-        ok = (~empty) & in_table & (blk >= 0) & (blk < num_blocks)
-        bad = (~empty) & (~ok)
-        row = tl.where(ok, blk * BLOCK_SIZE + pos % BLOCK_SIZE, 0)
+        slot, ok, valid = resolve_slots(bt_ptr, bt_stride, req, pos, num_blocks, max_blocks, BLOCK_SIZE)
+        bad = valid & (~ok)
+        row = tl.where(ok, slot, 0)
         base = cache_ptr + cache_row_offset(row, BPT)  # [BLOCK_W]
         D: tl.constexpr = D_NOPE + D_ROPE
         obase = out_ptr + (r.to(tl.int64) * W + j.to(tl.int64)) * D  # [BLOCK_W]

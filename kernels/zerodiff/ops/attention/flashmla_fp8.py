@@ -79,7 +79,7 @@ from .. import kv_cache as _kv
 from .checks import FLASHMLA_HEADS, FLASHMLA_TOPK_BLOCK, MODEL_D_V, MODEL_DIMS, check_fp8_read_args, check_out
 from .checks import fail as _fail
 from ...errors import InputError
-from .slots import resolve_slots_torch
+from ..block_slots import resolve_slots_torch
 
 PATH = "flashmla_fp8"
 #: the global-index entry's name in messages
@@ -120,7 +120,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .slots import resolve_slots
+    from ..block_slots import resolve_slots
 
     @triton.jit
     def _translate_kernel(pos_ptr, pos_s0, req_ptr, bt_ptr, bt_s0, idx_ptr, badp_ptr, K, NCH, max_blocks, num_blocks,

@@ -41,7 +41,7 @@ if HAVE_TRITON:
 
     from ..._triton import cache_row_offset, cast_bf16
 
-    from .slots import resolve_slots
+    from ..block_slots import resolve_slots
 
     @triton.jit
     def _resolve_rows(kv_ptr, kv_s0, S, idx, cache_ptr, bt_ptr, bt_s0, req, num_blocks, max_blocks,

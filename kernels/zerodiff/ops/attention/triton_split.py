@@ -76,7 +76,7 @@ if HAVE_TRITON:
 
     from ..._triton import cast_bf16
 
-    from .slots import resolve_slots
+    from ..block_slots import resolve_slots
 
     @triton.jit
     def _split_dequant_tile(cache_ptr, bt_ptr, bt_s0, req, idx, num_blocks, max_blocks,

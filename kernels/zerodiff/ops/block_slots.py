@@ -2,7 +2,7 @@
 
 Token ``p`` of request ``req`` lives in cache block ``block_table[req, p // block_size]`` at row
 ``p % block_size``, so its slot (row of the ``[num_blocks * block_size, bytes]`` view) is
-``block * block_size + p % block_size``. Every attention backend resolves positions with the one rule
+``block * block_size + p % block_size``. Every attention backend and the KV gather resolve positions with the one rule
 written here, as a Triton device function (:func:`resolve_slots`) and as its torch twin
 (:func:`resolve_slots_torch`); ``tests/test_attention_slots.py`` checks the two agree bit for bit.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._triton import HAVE_TRITON
+from .._triton import HAVE_TRITON
 
 __all__ = ["resolve_slots", "resolve_slots_torch"]
 
