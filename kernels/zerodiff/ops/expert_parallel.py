@@ -178,7 +178,12 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """[N, ...] -> uint8 [N, row_bytes] view (the mover moves bytes only)."""
     t = t.contiguous()
     n = t.shape[0]
-    return t.view(torch.uint8).reshape(n, -1) if t.numel() else t.new_empty((n, 0)).view(torch.uint8)
+    nb = t.element_size()
+    for d in t.shape[1:]:
+        nb *= int(d)
+    if t.numel() == 0:  # the row width comes from the shape, also with zero rows (the peers' splits use it)
+        return torch.empty((n, nb), dtype=torch.uint8, device=t.device)
+    return t.view(torch.uint8).reshape(n, nb)
 
 
 class TorchDistributedMover:
@@ -235,8 +240,9 @@ class TorchDistributedMover:
             if out.shape[0] != sum(recv_splits):
                 raise RuntimeError(f"zerodiff.expert_parallel: received {out.shape[0]} rows, expected "
                                    f"{sum(recv_splits)}")
-        return out.view(send.dtype).reshape((out.shape[0],) + tail) if nb else \
-            torch.empty((out.shape[0],) + tail, dtype=send.dtype, device=self.device)
+        if out.numel() == 0:
+            return torch.empty((out.shape[0],) + tail, dtype=send.dtype, device=self.device)
+        return out.view(send.dtype).reshape((out.shape[0],) + tail)
 
     def _gather_select(self, b, send_splits, nb):
         import torch.distributed as dist
