@@ -243,3 +243,22 @@ def test_overflow_raises_in_the_world(world):
     res, _ = world
     for r in range(2):
         assert res[r]["overflow"].startswith("InputError") and "capacity=5" in res[r]["overflow"]
+
+
+# ------------------------------------------------------------------------------------------------ guards
+def test_megatron_guard_still_refuses_ep_and_names_the_unwired_dispatcher():
+    from zerodiff.integrations import ConfigError
+    from zerodiff.integrations.megatron import guard as mg
+
+    with pytest.raises(ConfigError, match=r"expert_model_parallel_size=2.*zerodiff\.ops\.expert_parallel.*not wired"):
+        mg.validate_config(num_moe_experts=8, expert_model_parallel_size=2)
+    mg.validate_config(num_moe_experts=8, expert_model_parallel_size=1)
+
+
+def test_vllm_guard_ep_refusal_names_the_unwired_dispatcher():
+    from zerodiff.integrations import ConfigError
+    from zerodiff.integrations.vllm import guard as vg
+
+    with pytest.raises(ConfigError, match=r"allgather_reducescatter.*zerodiff\.ops\.expert_parallel.*not wired"):
+        vg.validate_config(enable_expert_parallel=True, expert_parallel_world=2,
+                           all2all_backend="allgather_reducescatter")
