@@ -76,7 +76,7 @@ def test_plan_refusals():
     with pytest.raises(InputError, match="rank=2"):
         ep.plan_ep_dispatch(ids, 8, 2, 2)
     with pytest.raises(InputError, match="num_experts=8"):
-        ep.plan_ep_dispatch(ids + 8, 8, 2, 0)
+        ep.plan_ep_dispatch(ids + 8, 8, 2, 0, validate=True)
 
 
 def test_capacity_overflow_raises_naming_capacity():

@@ -2,7 +2,7 @@
 
 Public API::
 
-    plan_ep_dispatch(ids, num_experts, ep_size, rank, capacity=None) -> ExpertParallelPlan
+    plan_ep_dispatch(ids, num_experts, ep_size, rank, capacity=None, *, validate=False) -> ExpertParallelPlan
     ExpertParallelPlan: ep_size, rank, num_experts, experts_per_rank, capacity, T, k,
         owner [T, k] int64 (destination rank of slot (t, j); -1 for ids == -1),
         send_counts [ep_size] int64 (valid rows per destination), send_rows (rows of the send buffer),
@@ -62,15 +62,17 @@ Movers:
   raises, falls back to ``all_gather`` of every rank's send buffer (padded to the largest) plus its split
   sizes, and each rank selects the rows addressed to it. ``mover.mode`` says which one is in use. Both modes
   move the same bytes to the same places.
-* :class:`DeepEPMover`: DeepEP low-latency buffers. Not wired: DeepEP's low-latency combine reduces the
-  expert outputs with the top-k weights inside its kernel, which is not the FP32 slot-order combine above.
+* :class:`DeepEPMover`: DeepEP low-latency buffers. Not wired: DeepEP's low-latency combine performs the
+  weighted reduction inside its kernel and returns BF16 (a rounding before the shared expert is added), which
+  is not :func:`zerodiff.ops.moe.combine`'s FP32 result; a mover here may only move data.
   Constructing it raises ``RuntimeError`` naming the setting when ``deep_ep`` is not installed, and
   ``NotImplementedError`` otherwise.
 
 Failure modes: ``InputError`` for ``num_experts % ep_size != 0``, a rank outside ``[0, ep_size)``, bad
-shapes/dtypes, ids outside ``[-1, E)``, local experts whose count is not ``E / ep_size``, capacity overflow;
-``RuntimeError`` when the mover's group size differs from ``plan.ep_size``. All ranks must call
-:func:`ep_moe_experts` the same number of times in the same order (collectives).
+shapes/dtypes, ids outside ``[-1, E)`` (checked with ``validate=True``), local experts whose count is not
+``E / ep_size``, capacity overflow; ``RuntimeError`` when the mover's group size differs from
+``plan.ep_size``. All ranks must call :func:`ep_moe_experts` the same number of times in the same order
+(collectives).
 """
 
 from __future__ import annotations
@@ -116,9 +118,11 @@ class ExpertParallelPlan:
 
 
 def plan_ep_dispatch(ids: torch.Tensor, num_experts: int, ep_size: int, rank: int,
-                     capacity: int | None = None) -> ExpertParallelPlan:
+                     capacity: int | None = None, *, validate: bool = False) -> ExpertParallelPlan:
     """Plan this rank's dispatch: destination rank per (token, slot), send order (destination, token, slot),
-    metadata rows, and the static-capacity padding. Raises ``InputError`` on overflow (naming the capacity)."""
+    metadata rows, and the static-capacity padding. Raises ``InputError`` on overflow (naming the capacity).
+    Device ops only in static mode with ``capacity >= T * min(k, E / ep_size)``; ``validate=True`` also checks
+    that ids lie in ``[-1, E)`` (a host sync)."""
     if ids.dim() != 2 or ids.dtype not in (torch.int32, torch.int64):
         raise InputError(f"zerodiff.expert_parallel: ids must be int32/int64 [T, k], got {ids.dtype} "
                          f"{tuple(ids.shape)}")
@@ -132,7 +136,7 @@ def plan_ep_dispatch(ids: torch.Tensor, num_experts: int, ep_size: int, rank: in
     dev = ids.device
     epr = E // P
     flat = ids.reshape(-1).to(torch.int64)
-    if flat.numel() and (bool((flat >= E).any()) or bool((flat < -1).any())):
+    if validate and flat.numel() and (bool((flat >= E).any()) or bool((flat < -1).any())):
         raise InputError(f"zerodiff.expert_parallel: ids must lie in [-1, num_experts={E})")
     valid = flat >= 0
     owner = torch.where(valid, flat // epr, torch.full_like(flat, -1))
@@ -276,9 +280,9 @@ class DeepEPMover:
                                "low-latency kernels behind vLLM's all2all_backend='deepep_low_latency'); it is "
                                f"not installed ({ex}). Use TorchDistributedMover.") from ex
         raise NotImplementedError("zerodiff.expert_parallel: DeepEPMover is not wired: DeepEP's low-latency "
-                                  "combine reduces the expert outputs with the top-k weights inside its kernel, "
-                                  "which is not the FP32 slot-order combine on the owner. Use "
-                                  "TorchDistributedMover.")
+                                  "combine reduces the expert outputs with the top-k weights inside its kernel "
+                                  "and returns BF16, not the owner's FP32 slot-order combine "
+                                  "(zerodiff.ops.moe.combine). Use TorchDistributedMover.")
 
 
 # ------------------------------------------------------------------------------------------------ experts
