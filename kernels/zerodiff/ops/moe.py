@@ -16,6 +16,8 @@ Public API::
         # act_backend overrides the SiLU*mul->FP8 step's backend (CPU tests: "reference" is fast there)
     shared_expert(x, w13: Fp8Weight [2I, H], w2: Fp8Weight [H, I], *, clamp_limit=None, backend=None) -> bf16 [T, H]
     finish(routed_fp32, shared_bf16=None) -> bf16 [T, H]        (the one rounding at the end)
+    expert_rows(x, ids, experts, *, layout, capacity, clamp_limit, backend, validate, act_backend)
+        -> (y bf16 [rows + 1, H], DispatchPlan)   (steps 1-4 below; moe_experts = expert_rows + combine)
     plan_dispatch(ids, num_experts, *, layout, capacity=None) -> DispatchPlan   (index maps; also for tests)
     combine(y, dest, weights, *, backend=None) -> fp32 [T, H]
     ALIGN  (= 64: contiguous-layout alignment and GEMM row-tile height; a static constant, never from M)
@@ -419,6 +421,34 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
                          f"{weights.dtype} {tuple(weights.shape)} and ids {tuple(ids.shape)}")
     if backend == "deepgemm":
         return _moe_experts_deepgemm(x, weights, ids, experts, layout, capacity, clamp_limit, validate)
+    y, plan, gbe = _expert_rows(x, ids, experts, layout, capacity, clamp_limit, backend, validate, act_backend)
+    w = torch.where(ids >= 0, weights, torch.zeros((), dtype=weights.dtype, device=x.device))
+    return combine(y, plan.dest, w, backend=gbe)
+
+
+def expert_rows(x: torch.Tensor, ids: torch.Tensor, experts: MoEWeights, *, layout: str = "contiguous",
+                capacity=None, clamp_limit=None, backend=None, validate: bool = False, act_backend=None):
+    """Steps 1-4 of the experts contract without the combine: ``(y bf16 [rows + 1, H], plan)`` where
+    ``y[plan.dest[t, j]]`` is the expert output of slot (t, j) (the zero dump row for ids == -1). These are the
+    rows :func:`moe_experts` combines, bit for bit (the expert-parallel path runs them on the owner of the
+    experts). Backends ``None``, ``"triton"``, ``"reference"``."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise InputError(f"zerodiff.moe: x must be bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
+    if not isinstance(experts, MoEWeights):
+        raise InputError("zerodiff.moe: experts must be a MoEWeights")
+    if x.shape[1] != experts.hidden:
+        raise InputError(f"zerodiff.moe: x has H={x.shape[1]}, experts have H={experts.hidden}")
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise InputError(f"zerodiff.moe: ids must be [T={x.shape[0]}, k], got {tuple(ids.shape)}")
+    if backend == "deepgemm":
+        raise InputError("zerodiff.moe.expert_rows: backend='deepgemm' is not offered here (None, 'triton' or "
+                         "'reference')")
+    y, plan, _ = _expert_rows(x, ids, experts, layout, capacity, clamp_limit, backend, validate, act_backend)
+    return y, plan
+
+
+def _expert_rows(x, ids, experts, layout, capacity, clamp_limit, backend, validate, act_backend):
+    T, H = x.shape
     use_triton = _use_triton(backend, x, "moe_experts")
     gbe = "triton" if use_triton else "reference"
     E = experts.num_experts
@@ -444,8 +474,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     y = torch.empty((plan.rows + 1, H), dtype=torch.bfloat16, device=dev)
     y[plan.rows].zero_()  # the dump row read by padding slots (ids == -1)
     _g.grouped_fp8_gemm(hq, hs, experts.w2.q, experts.w2.scale, plan.tile_expert, backend=gbe, out=y[: plan.rows])
-    w = torch.where(ids >= 0, weights, torch.zeros((), dtype=weights.dtype, device=dev))
-    return combine(y, plan.dest, w, backend=gbe)
+    return y, plan, gbe
 
 
 # ------------------------------------------------------------------------------------------------ DeepGEMM

@@ -79,7 +79,8 @@ def validate_config(
             parallel_state_expert_model_parallel_size is not None and int(parallel_state_expert_model_parallel_size) > 1)):
         p.append(f"expert_model_parallel_size={expert_model_parallel_size} (parallel_state: "
                  f"{parallel_state_expert_model_parallel_size}): the zerodiff MoE layer runs every expert locally; "
-                 "use 1")
+                 "use 1 (the EP dispatcher zerodiff.ops.expert_parallel, whose values do not depend on the EP "
+                 "degree, exists but is not wired into the Megatron MoE layer)")
     if transformer_impl != "local":
         p.append(f"transformer_impl={transformer_impl!r}: the Transformer Engine / inference-optimized modules "
                  "(fused norm+linear, TE linears and attention) are not routed through zerodiff; use "

@@ -121,7 +121,8 @@ def validate_config(
                  "merges partial results across GPUs; use 1")
     if enable_expert_parallel and int(expert_parallel_world) > 1 and all2all_backend != "deepep_low_latency":
         p.append(f"all2all_backend={all2all_backend!r} with enable_expert_parallel: the expert combine must run "
-                 "on the token's owner in FP32 in top-k slot order; use all2all_backend='deepep_low_latency'")
+                 "on the token's owner in FP32 in top-k slot order; use all2all_backend='deepep_low_latency' "
+                 "(zerodiff.ops.expert_parallel's owner-side combine is not wired into vLLM's FusedMoE)")
     if enable_prefix_caching:
         p.append("enable_prefix_caching=True: cached prefixes are never recomputed; pass "
                  "--no-enable-prefix-caching")
