@@ -45,5 +45,5 @@ def test_gpu_rollout_adapters_equal_training_wrappers():
     # block-FP8 linear
     from zerodiff.ops.fp8_quant import Fp8Weight
     lin = zm.Fp8Linear((torch.randn(2048, H, device="cuda", generator=g) * 0.02).bfloat16())
-    assert torch.equal(zv.fp8_block_linear(x, lin.fp8.q, lin.fp8.scale), lin(x))
+    assert torch.equal(zv.fp8_block_linear(x, lin.fp8.q, lin.fp8.scale, ue8m0=lin.fp8.ue8m0), lin(x))
     assert isinstance(lin.fp8, Fp8Weight)

@@ -82,6 +82,22 @@ def init_parallel_state(device: str, workdir) -> bool:
     return False
 
 
+def shutdown_parallel_state() -> None:
+    """Tear down ``parallel_state`` and the process group (an NCCL group left alive at exit can keep the process
+    from ending). Safe to call when nothing is initialised."""
+    import torch.distributed as dist
+
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    except ImportError:
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _same_bits(a: Deployment, b: Deployment) -> bool:
     for k, x in a.tensors.items():
         y = b.tensors[k]

@@ -86,6 +86,13 @@ def _run(args) -> int:
     except (ConfigError, CheckpointError) as e:
         print(f"megatron-check: refused: {e}", file=sys.stderr)
         return 2
+    finally:
+        try:
+            from .acceptance import shutdown_parallel_state
+
+            shutdown_parallel_state()
+        except ImportError:
+            pass
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
