@@ -12,6 +12,9 @@
 """
 
 import os
+import sys
+import warnings
+from pathlib import Path
 
 try:
     import torch
@@ -80,3 +83,20 @@ def seeded():
         return g
 
     return make
+
+
+#: the pinned megatron-core source tree (`make sources apply`)
+MEGATRON_TREE = Path(__file__).resolve().parents[1] / "build" / "sources" / "megatron"
+
+
+@pytest.fixture
+def megatron():
+    """megatron-core 0.19.2 from the pinned source tree (skip when it was not fetched)."""
+    if not (MEGATRON_TREE / "megatron" / "core" / "package_info.py").exists():
+        pytest.skip("build/sources/megatron absent (run `make sources apply`)")
+    if str(MEGATRON_TREE) not in sys.path:
+        sys.path.insert(0, str(MEGATRON_TREE))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core  # noqa: F401
+    return sys.modules["megatron"]

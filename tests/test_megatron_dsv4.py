@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
-import warnings
-from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
@@ -33,22 +30,7 @@ from zerodiff.ops.fp8_quant import Fp8Weight
 from zerodiff.rollout.engine import Request, RolloutEngine
 from zerodiff.training.forward import TrainingForward
 
-REPO = Path(__file__).resolve().parents[1]
-MEGATRON_TREE = REPO / "build" / "sources" / "megatron"
 CFG = CPU.model
-
-
-@pytest.fixture
-def megatron():
-    """megatron-core 0.19.2 from the pinned source tree (skip when it was not fetched)."""
-    if not (MEGATRON_TREE / "megatron" / "core" / "package_info.py").exists():
-        pytest.skip("build/sources/megatron absent (run `make sources apply`)")
-    if str(MEGATRON_TREE) not in sys.path:
-        sys.path.insert(0, str(MEGATRON_TREE))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import megatron.core  # noqa: F401
-    return sys.modules["megatron"]
 
 
 @pytest.fixture
