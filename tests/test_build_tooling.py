@@ -517,3 +517,16 @@ def test_user_fork_conflict_names_the_patch_and_file_and_changes_nothing(sandbox
     r = e.run("patches.py", "unapply", "--side", "vllm", VLLM_SRC=str(fork))
     assert r.returncode == 0, r.stderr
     assert snapshot(fork) == before
+
+
+def test_no_tracked_symlinks_or_ignored_build_outputs():
+    """A checkout must hold plain files only: a committed link (for instance a worktree's ``build/downloads``
+    pointing at another checkout) breaks the fetch steps on every other machine."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    out = subprocess.run(["git", "ls-files", "-s"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    links = [line.split("\t", 1)[1] for line in out.splitlines() if line.startswith("120000 ")]
+    assert not links, f"symlinks are tracked: {links}"
+    tracked = subprocess.run(["git", "ls-files", "build/downloads", "build/sources", ".carry", ".venv"],
+                             cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    assert not tracked, f"build outputs are tracked: {tracked[:5]}"
