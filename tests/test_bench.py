@@ -376,3 +376,63 @@ def test_bench_time_budget_stops_and_skips_the_profiler(tmp_path, monkeypatch):
     assert e2e_cli.main(["bench", *SMALL, "--steps", "5", "--time-budget", "1", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["steps_run"] == 1 and doc["stopped_by_time_budget"] and "skipped" in doc["profile"]
+
+
+def _post_inputs(T=5, n=4, H=256, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    X = torch.randn(T, n, H, generator=g).to(torch.bfloat16)
+    post = torch.rand(T, n, generator=g) * 2
+    comb = torch.rand(T, n, n, generator=g)
+    return y, X, post, comb
+
+
+def test_baseline_mhc_post_without_tilelang_runs_the_fused_kernel_and_says_why(fresh_vllm_ops, monkeypatch):
+    V, BC = fresh_vllm_ops
+    from zerodiff.ops.mhc import mhc_post
+
+    y, X, post, comb = _post_inputs()
+    out = BC.mhc_post(y, X, post, comb)
+    assert torch.equal(out, mhc_post(y, X, post, comb))
+    expect = (post.unsqueeze(-1) * y.float().unsqueeze(1) + torch.einsum("tij,tih->tjh", comb, X.float()))
+    assert (out.float() - expect).abs().max() <= 1e-2 * expect.abs().max()
+    why = BC.CHOICES[("mhc post",)]
+    assert why.startswith("one fused kernel") and V.STATUS["tilelang mhc"] in why
+    monkeypatch.setenv("ZERODIFF_BASELINE_VLLM_OPS", "require")
+    with pytest.raises(BC.BaselineUnavailable, match="TileLang"):
+        BC.mhc_post(y, X, post, comb)
+
+
+def test_baseline_mhc_post_uses_tilelang_when_its_probe_passes(fresh_vllm_ops, monkeypatch):
+    V, BC = fresh_vllm_ops
+    calls = []
+
+    class FakeTileLang:  # the TileLang kernel's call convention: (comb, residual, post[T, n], x, out, n, H)
+        @staticmethod
+        def _MHC_POST_TILELANG_KERNEL(comb, residual, post, x, out, n, H):
+            calls.append((n, H))
+            out.copy_((post.unsqueeze(-1) * x.float().unsqueeze(1)
+                       + torch.einsum("tij,tih->tjh", comb, residual.float())).to(out.dtype))
+
+    monkeypatch.setattr(V, "tilelang_mhc_kernels", lambda: FakeTileLang)
+    y, X, post, comb = _post_inputs()
+    out = BC.mhc_post(y, X, post, comb)
+    assert calls and calls[0] == (4, 256) and BC.CHOICES[("mhc post",)] == "vLLM TileLang fused mHC post"
+    assert V.STATUS["mhc post"].startswith("probe passed") and out.dtype == torch.bfloat16
+
+    class WrongTileLang(FakeTileLang):  # transposed comb: the probe must reject it
+        @staticmethod
+        def _MHC_POST_TILELANG_KERNEL(comb, residual, post, x, out, n, H):
+            FakeTileLang._MHC_POST_TILELANG_KERNEL(comb.transpose(1, 2), residual, post, x, out, n, H)
+
+    monkeypatch.setattr(V, "_PROBED", {})
+    monkeypatch.setattr(BC, "CHOICES", {})
+    monkeypatch.setattr(V, "tilelang_mhc_kernels", lambda: WrongTileLang)
+    BC.mhc_post(y, X, post, comb)
+    assert V.STATUS["mhc post"].startswith("probe FAILED") and "probe FAILED" in BC.CHOICES[("mhc post",)]
+
+
+def test_tilelang_loader_reports_why_not_on_cpu(fresh_vllm_ops, monkeypatch):
+    V, _ = fresh_vllm_ops
+    assert V.tilelang_mhc_kernels() is None
+    assert ("no CUDA" in V.STATUS["tilelang mhc"]) or ("not importable" in V.STATUS["tilelang mhc"])

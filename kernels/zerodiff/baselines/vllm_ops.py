@@ -14,6 +14,10 @@ passed the probe (:func:`probe_once`: the op's output against the torch path on 
 present path runs and the reason is recorded in :data:`STATUS` (which ``zerodiff bench`` writes into its JSON);
 ``require`` raises :class:`~zerodiff.model.baseline_cuda.BaselineUnavailable` instead of running anything else;
 ``off`` never loads them (the present paths, recorded as such).
+
+vLLM's mHC kernels are TileLang code inside its Python package, not compiled ops: :func:`tilelang_mhc_kernels`
+imports ``vllm.model_executor.kernels.mhc.tilelang_kernels`` (vLLM and ``tilelang`` must both be importable; the
+staged vLLM runtime does not ship ``tilelang``) under the same policy, the outcome in ``STATUS["tilelang mhc"]``.
 """
 
 from __future__ import annotations
@@ -122,3 +126,34 @@ def probe_once(op: str, run, reference, same) -> bool:
     _PROBED[op] = bool(ok)
     STATUS[op] = ("probe passed: " if ok else "probe FAILED: ") + detail
     return _PROBED[op]
+
+
+def tilelang_mhc_kernels():
+    """vLLM's TileLang mHC kernel module, or None (reason in ``STATUS["tilelang mhc"]``). Never raises.
+
+    Imported only where ``tilelang`` and ``vllm`` are both importable and CUDA is present; importing it
+    imports vLLM (seconds) and JIT-compiles each kernel at its first call for a shape (the bench's warm-up
+    covers that)."""
+    key = "tilelang mhc"
+    if key in _LOADED:
+        return _LOADED[key]
+    import importlib
+    import importlib.util
+
+    mod = None
+    if policy() == "off":
+        STATUS[key] = "not loaded: ZERODIFF_BASELINE_VLLM_OPS=off"
+    elif not torch.cuda.is_available():
+        STATUS[key] = "not loaded: no CUDA"
+    else:
+        missing = [m for m in ("tilelang", "vllm") if importlib.util.find_spec(m) is None]
+        if missing:
+            STATUS[key] = f"not importable: no {' / '.join(missing)} module here (vLLM's CUDA mHC path needs both)"
+        else:
+            try:
+                mod = importlib.import_module("vllm.model_executor.kernels.mhc.tilelang_kernels")
+                STATUS[key] = f"imported from {mod.__file__}"
+            except Exception as e:  # noqa: BLE001 - recorded; the caller applies the policy
+                STATUS[key] = f"import failed: {type(e).__name__}: {str(e)[:300]}"
+    _LOADED[key] = mod
+    return mod

@@ -17,6 +17,8 @@ and the same CUDA-graph policy (pure-decode steps captured, mixed steps eager). 
   (:mod:`zerodiff.baselines.vllm_ops`); each is probed once against the torch path; where a library is missing
   or a probe fails, the torch path runs and the reason is recorded (``ZERODIFF_BASELINE_VLLM_OPS=require``
   raises instead). :func:`vs_vllm` lists, per op, what ran against what vLLM runs;
+* mHC post: vLLM's TileLang fused post kernel where vLLM and ``tilelang`` import (:func:`mhc_post`), otherwise
+  a fused one-pass kernel of the same memory traffic (recorded);
 * eager mixed steps split decode / prefill rows on the host and copy the indices through pinned memory
   without a host sync (:func:`split_rows`, :func:`h2d`);
 * attention: pure-decode tokens through FlashMLA's FP8 sparse decode ``flash_mla_with_kvcache``
@@ -334,6 +336,42 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return torch_path()
 
 
+def mhc_post(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Stock mHC post ``out[t, j] = post[t, j] * y[t] + sum_i comb[t, i, j] * X[t, i]`` (BF16 out, FP32 math).
+
+    vLLM's CUDA path is its TileLang fused post kernel: it runs here where vLLM and ``tilelang`` import and its
+    first call matches the FP32 torch expression (:func:`zerodiff.baselines.vllm_ops.tilelang_mhc_kernels`).
+    Otherwise a one-pass fused kernel of the same memory traffic runs instead of an unfused torch einsum
+    (``zerodiff.ops.mhc.mhc_post``: the op is per token, so every fused one-pass kernel is batch independent
+    and the choice does not change what the negative control shows); the choice is recorded in CHOICES.
+    ``ZERODIFF_BASELINE_VLLM_OPS=require`` raises where TileLang's kernel cannot run."""
+    from zerodiff.baselines import vllm_ops as _V
+    from zerodiff.ops.mhc import mhc_post as fused_post
+
+    T, n, H = X.shape
+
+    def torch_path():
+        return (post.reshape(T, n, 1) * y.float().unsqueeze(1)
+                + torch.einsum("tij,tih->tjh", comb.float(), X.float())).to(torch.bfloat16)
+
+    def tilelang_path():
+        out = torch.empty_like(X)
+        kernel = getattr(mod, "_MHC_POST_TILELANG_KERNEL")
+        kernel(comb.contiguous(), X.contiguous(), post.reshape(T, n).contiguous(), y.contiguous(), out, n, H)
+        return out
+
+    mod = _V.tilelang_mhc_kernels()
+    if mod is not None and _V.probe_once("mhc post", tilelang_path, torch_path, _close(2e-2)):
+        CHOICES.setdefault(("mhc post",), "vLLM TileLang fused mHC post")
+        return tilelang_path()
+    reason = _V.STATUS.get("mhc post") or _V.STATUS.get("tilelang mhc")
+    if _V.policy() == "require":
+        raise BaselineUnavailable(f"zerodiff baseline: mhc post needs vLLM's TileLang kernel ({reason}); "
+                                  "ZERODIFF_BASELINE_VLLM_OPS=require never substitutes")
+    CHOICES.setdefault(("mhc post",), f"one fused kernel: zerodiff mhc_post (vLLM's TileLang kernel not used: {reason})")
+    return fused_post(y, X, post, comb)
+
+
 def silu_mul_quant(h: torch.Tensor):
     """SiLU(gate)·up -> FP8 (1x128 groups) in ONE fused kernel. vLLM's fused kernel for the block-FP8 DeepGEMM
     MoE on Hopper is a Triton kernel of its Python package (not in its compiled libraries), so the harness runs
@@ -464,8 +502,8 @@ def vs_vllm() -> list:
         ("mhc pre", got("mhc pre", "not called yet"), "TileLang mHC kernels (fused pre), split from its heuristic",
          "TileLang is not loadable in the harness; DeepGEMM tf32_hc_prenorm_gemm with the batch-size split "
          "heuristic (zerodiff.baselines.mhc)"),
-        ("mhc post", "torch FP32 einsum + BF16 cast", "TileLang fused mHC post",
-         "TileLang is not loadable in the harness"),
+        ("mhc post", got("mhc post", "not called yet"), "TileLang fused mHC post",
+         "the same kernel where vLLM and tilelang import; otherwise a fused one-pass kernel of the same traffic"),
         ("dense fp8 linear", "stock 1x128 act quant + DeepGEMM fp8_gemm_nt (per shape: baseline_kernels_ran)",
          "per-token-group quant + DeepGEMM / CUTLASS / FlashInfer chosen per M",
          "DeepGEMM for every M (vLLM's own choice for block FP8 on SM90 where DeepGEMM is enabled)"),

@@ -688,6 +688,8 @@ class BaselineRolloutOps(ConsistentOps):
                                       rms_eps=self.cfg.rms_eps, n_sms=132, gemm="torch", epilogue="torch")
 
     def kernel_mhc_post(self, y, X, post, comb):
+        if _cuda(y):  # vLLM's TileLang fused post where importable, else a fused one-pass kernel (baseline_cuda)
+            return _stock_cuda.mhc_post(y, X, post, comb)
         return (post.unsqueeze(-1) * y.float().unsqueeze(1)
                 + torch.einsum("tij,tih->tjh", comb, X.float())).to(torch.bfloat16)
 
