@@ -74,10 +74,7 @@ def pre_epilogue(mix: torch.Tensor, sq: torch.Tensor, residual: torch.Tensor, hc
     Sinkhorn, aggregation (the triple of ``zerodiff.ops.mhc.mhc_pre``)."""
     S, T, nm = mix.shape
     _, n, H = residual.shape
-    dev = residual.device
-    li = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
-    post = torch.empty(T, n, dtype=torch.float32, device=dev)
-    comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    li, post, comb = _mhc.pre_outputs(residual)
     if T == 0:
         return li, post, comb
     _mhc_pre_epilogue_kernel[(T,)](

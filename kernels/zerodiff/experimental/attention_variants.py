@@ -100,6 +100,8 @@ if zt.HAVE_TRITON:
     import triton.language as tl
 
     from zerodiff._triton import cache_row_offset, cast_bf16
+    from zerodiff.ops.attention.triton_split import (split_load_q, split_merge_rows, split_softmax_step,
+                                                     split_store_partials)
     from zerodiff.ops.block_slots import resolve_slots
 
     @triton.jit
@@ -156,14 +158,7 @@ if zt.HAVE_TRITON:
         req = tl.load(req_ptr + r).to(tl.int64)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hm = h < H
-        dv = tl.arange(0, D_V)
-        dr = tl.arange(0, D_R)
-        qrow = q_ptr + r * q_s0 + h[None, :] * q_s1
-        qnt = tl.load(qrow + dv[:, None], mask=hm[None, :], other=0.0)  # [D_V, BLOCK_H]
-        qrt = tl.load(qrow + D_V + dr[:, None], mask=hm[None, :], other=0.0)  # [D_R, BLOCK_H]
-        if EXACT:
-            qnt = qnt.to(tl.float32)
-            qrt = qrt.to(tl.float32)
+        qnt, qrt = split_load_q(q_ptr, q_s0, q_s1, r, h, hm, D_V, D_R, EXACT)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([D_V, BLOCK_H], tl.float32)
@@ -190,32 +185,14 @@ if zt.HAVE_TRITON:
             nan = tl.full([1, 1], float("nan"), tl.float32).to(tl.bfloat16)
             kn = tl.where(bad[:, None], nan, kn)
             kr = tl.where(bad[:, None], nan, kr_raw)
-            if EXACT:
-                kn = kn.to(tl.float32)
-                kr = kr.to(tl.float32)
-            s = tl.dot(kn, qnt) + tl.dot(kr, qrt)  # [BLOCK_N, BLOCK_H] = scores^T
-            s = s * scale_log2
-            s = tl.where(valid[:, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)
-            p = tl.exp2(s - m_safe[None, :])
-            l = l * alpha + tl.sum(p, axis=0)
-            pb = cast_bf16(p, EXACT)
-            if EXACT:
-                pb = pb.to(tl.float32)
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(kn), pb)  # [D_V, BLOCK_H]
-            m = m_new
+            m, l, acc = split_softmax_step(kn, kr, valid, qnt, qrt, m, l, acc, scale_log2, EXACT)
             # rotate the pipeline
             code = code_n
             sc = sc_n
             kr_raw = kr_n
             slot = slot1
             slot1 = slot2
-        prow = (r * NCH + c) * H + h
-        tl.store(pm_ptr + prow, m, mask=hm)
-        tl.store(pl_ptr + prow, l, mask=hm)
-        tl.store(pacc_ptr + ((r * NCH + c) * D_V + dv[:, None]) * H + h[None, :], acc, mask=hm[None, :])
+        split_store_partials(pm_ptr, pl_ptr, pacc_ptr, r, c, NCH, H, h, hm, m, l, acc, D_V)
 
     @triton.jit
     def _split_merge_v_kernel(
@@ -231,28 +208,8 @@ if zt.HAVE_TRITON:
         vb = tl.program_id(2)
         hm = h < H
         dv = vb * MERGE_DV + tl.arange(0, MERGE_DV)
-        mx = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for c in range(0, NCH):
-            mx = tl.maximum(mx, tl.load(pm_ptr + (r * NCH + c) * H + h, mask=hm, other=float("-inf")))
-        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-        l = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, MERGE_DV], tl.float32)
-        for c in range(0, NCH):
-            prow = (r * NCH + c) * H + h
-            mc = tl.load(pm_ptr + prow, mask=hm, other=float("-inf"))
-            w = tl.exp2(mc - mx_safe)
-            l = l + tl.load(pl_ptr + prow, mask=hm, other=0.0) * w
-            at = tl.load(pacc_ptr + ((r * NCH + c) * D_V + dv[:, None]) * H + h[None, :], mask=hm[None, :], other=0.0)
-            acc = acc + tl.trans(at) * w[:, None]
-        lonely = l == 0.0
-        l_safe = tl.where(lonely, 1.0, l)
-        lse2 = tl.where(lonely, 0.0, mx_safe + tl.log2(l_safe))
-        o = acc / l_safe[:, None]
-        if HAS_SINK:
-            sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
-            o = o * (1.0 / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2)))[:, None]
-        o = tl.where(lonely[:, None], 0.0, o)
-        lse = tl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
+        o, lse = split_merge_rows(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, r, h, hm, dv, H, NCH, D_V, HAS_SINK,
+                                  BLOCK_H, MERGE_DV)
         tl.store(out_ptr + r * o_s0 + h[:, None] * o_s1 + dv[None, :], cast_bf16(o, EXACT), mask=hm[:, None])
         tl.store(lse_ptr + r * lse_s0 + h, lse, mask=hm & (vb == 0))
 

@@ -45,7 +45,7 @@ if zt.HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from zerodiff.ops.mhc import _bf16_to_f32, _load_prenorm_block
+    from zerodiff.ops.mhc import _bf16_to_f32, _load_prenorm_block, prenorm_program_tile, store_prenorm_partial
 
 __all__ = ["PrenormVariant", "VARIANTS", "SHIPPED", "variant_splits", "prenorm_gemm_splitk", "mhc_pre", "hc_head"]
 
@@ -64,13 +64,7 @@ if zt.HAVE_TRITON:
         """Partial projection + sum of squares of split ``program_id(1)`` (BPS blocks of BK, increasing k)
         for BM rows, one ``tl.dot`` per block at ``input_precision=PREC``. The split count, BPS and every
         constexpr come from K and the variant, never from T."""
-        pid_m = tl.program_id(0)
-        split = tl.program_id(1)
-        rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-        rmask = rows < T
-        cols = tl.arange(0, BN)
-        cmask = cols < NMIX
-        k0 = split * (BPS * BK)
+        split, rows, rmask, cols, cmask, k0 = prenorm_program_tile(T, NMIX, BM, BN, BK, BPS)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         sq = tl.zeros([BM], dtype=tl.float32)
         x_base = x_ptr + rows[:, None] * K
@@ -81,9 +75,7 @@ if zt.HAVE_TRITON:
             xf = _bf16_to_f32(x, EXACT)
             sq = sq + tl.sum(xf * xf, axis=1)
             acc = tl.dot(xf, w, acc, input_precision=PREC)
-        out = mix_ptr + split.to(tl.int64) * T * NMIX + rows[:, None] * NMIX + cols[None, :]
-        tl.store(out, acc, mask=rmask[:, None] & cmask[None, :])
-        tl.store(sq_ptr + split.to(tl.int64) * T + rows, sq, mask=rmask)
+        store_prenorm_partial(mix_ptr, sq_ptr, split, T, rows, rmask, cols, cmask, acc, sq, NMIX)
 
 
 # ---------------------------------------------------------------------------------------- variants

@@ -154,6 +154,28 @@ if zt.HAVE_TRITON:
             w = tl.load(w_base + ks[:, None], mask=cmask[None, :] & kmask[:, None], other=0.0)
         return x, w
 
+    @triton.jit
+    def prenorm_program_tile(T, NMIX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             BPS: tl.constexpr):
+        """This split-K program's tile: (split = program_id(1), rows int64 [BM] of block program_id(0), row
+        mask, cols [BN], column mask, first k of the split)."""
+        pid_m = tl.program_id(0)
+        split = tl.program_id(1)
+        rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+        rmask = rows < T
+        cols = tl.arange(0, BN)
+        cmask = cols < NMIX
+        k0 = split * (BPS * BK)
+        return split, rows, rmask, cols, cmask, k0
+
+    @triton.jit
+    def store_prenorm_partial(mix_ptr, sq_ptr, split, T, rows, rmask, cols, cmask, acc, sq, NMIX: tl.constexpr):
+        """Write split ``split``'s partial projection acc [BM, BN] into mix fp32 [S, T, NMIX] and its sum of
+        squares sq [BM] into sq fp32 [S, T]."""
+        out = mix_ptr + split.to(tl.int64) * T * NMIX + rows[:, None] * NMIX + cols[None, :]
+        tl.store(out, acc, mask=rmask[:, None] & cmask[None, :])
+        tl.store(sq_ptr + split.to(tl.int64) * T + rows, sq, mask=rmask)
+
     @triton.jit(do_not_specialize=["T"])  # one binary for every token count (T == 1 included)
     def _prenorm_splitk_kernel(
         x_ptr, fn_ptr, mix_ptr, sq_ptr, T, K,
@@ -163,13 +185,7 @@ if zt.HAVE_TRITON:
         """Partial projection (bf16x3 products) + sum of squares of split ``program_id(1)`` (BPS blocks of
         BK, increasing k) for BM rows. The split count, BPS and every constexpr come from K and the launch
         configuration, never from T."""
-        pid_m = tl.program_id(0)
-        split = tl.program_id(1)
-        rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-        rmask = rows < T
-        cols = tl.arange(0, BN)
-        cmask = cols < NMIX
-        k0 = split * (BPS * BK)
+        split, rows, rmask, cols, cmask, k0 = prenorm_program_tile(T, NMIX, BM, BN, BK, BPS)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         acc_lo = tl.zeros([BM, BN], dtype=tl.float32)
         sq = tl.zeros([BM], dtype=tl.float32)
@@ -190,9 +206,7 @@ if zt.HAVE_TRITON:
                 acc_lo = tl.dot(x, w2.to(tl.bfloat16), acc_lo)
                 acc_lo = tl.dot(x, w3.to(tl.bfloat16), acc_lo)
         acc = acc + acc_lo
-        out = mix_ptr + split.to(tl.int64) * T * NMIX + rows[:, None] * NMIX + cols[None, :]
-        tl.store(out, acc, mask=rmask[:, None] & cmask[None, :])
-        tl.store(sq_ptr + split.to(tl.int64) * T + rows, sq, mask=rmask)
+        store_prenorm_partial(mix_ptr, sq_ptr, split, T, rows, rmask, cols, cmask, acc, sq, NMIX)
 
     @triton.jit
     def _rowsum_seq(m, NH: tl.constexpr):
@@ -449,15 +463,21 @@ def prenorm_gemm_splitk(residual: torch.Tensor, fn: torch.Tensor) -> tuple[torch
                          stages=_GEMM_STAGES)
 
 
+def pre_outputs(residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised outputs of an mHC pre for residual [T, n, H]: (layer_input bf16 [T, H], post fp32 [T, n],
+    comb fp32 [T, n, n]) on residual's device."""
+    T, n, H = residual.shape
+    dev = residual.device
+    return (torch.empty(T, H, dtype=torch.bfloat16, device=dev), torch.empty(T, n, dtype=torch.float32, device=dev),
+            torch.empty(T, n, n, dtype=torch.float32, device=dev))
+
+
 def _pre_epilogue(mix, sq, residual, hc_scale, hc_base, *, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult,
                   sinkhorn_iters, warps):
     """Launch the pre epilogue over S partials with ``warps`` warps (only the split-sum tree depends on it)."""
     S, T, nm = mix.shape
     _, n, H = residual.shape
-    dev = residual.device
-    li = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
-    post = torch.empty(T, n, dtype=torch.float32, device=dev)
-    comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    li, post, comb = pre_outputs(residual)
     if T == 0:
         return li, post, comb
     _mhc_pre_epilogue_splits_kernel[(T,)](

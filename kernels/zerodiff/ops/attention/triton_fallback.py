@@ -93,6 +93,24 @@ if HAVE_TRITON:
         return k
 
     @triton.jit
+    def finish_softmax_rows(acc, l, m, sink_ptr, h, hm, HAS_SINK: tl.constexpr):
+        """(o fp32 [BLOCK_H, NC], lse fp32 [BLOCK_H]) of finished base-2 online-softmax rows (running max ``m``,
+        sum ``l``, accumulator ``acc`` [BLOCK_H, NC]): ``lse2 = m + log2 l``, ``o = acc / l``, times
+        ``1 / (1 + exp2(sink[h] * log2 e - lse2))`` when HAS_SINK, ``lse = lse2 * ln 2``; a row with l == 0 (no
+        valid entry) gives o = 0, lse = +inf whatever ``m`` holds. Shared by the workspace kernel and the split
+        path's merges."""
+        lonely = l == 0.0
+        l_safe = tl.where(lonely, 1.0, l)
+        lse2 = tl.where(lonely, 0.0, m + tl.log2(l_safe))
+        o = acc / l_safe[:, None]
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
+            o = o * (1.0 / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2)))[:, None]
+        o = tl.where(lonely[:, None], 0.0, o)
+        lse = tl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
+        return o, lse
+
+    @triton.jit
     def _sparse_attn_kernel(
         q_ptr, q_s0, q_s1, kv_ptr, kv_s0, idx_ptr, idx_s0, sink_ptr, out_ptr, o_s0, o_s1, lse_ptr, lse_s0,
         H, K, S, scale_log2,
@@ -153,15 +171,7 @@ if HAVE_TRITON:
                 pb = pb.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(pb, kv_out)
             m = m_new
-        lonely = l == 0.0
-        l_safe = tl.where(lonely, 1.0, l)
-        lse2 = tl.where(lonely, 0.0, m + tl.log2(l_safe))
-        o = acc / l_safe[:, None]
-        if HAS_SINK:
-            sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
-            o = o * (1.0 / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2)))[:, None]
-        o = tl.where(lonely[:, None], 0.0, o)
-        lse = tl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
+        o, lse = finish_softmax_rows(acc, l, m, sink_ptr, h, hm, HAS_SINK)
         do = vp * DV_OUT + tl.arange(0, DV_OUT)
         tl.store(out_ptr + r * o_s0 + h[:, None] * o_s1 + do[None, :], cast_bf16(o, EXACT), mask=hm[:, None])
         tl.store(lse_ptr + r * lse_s0 + h, lse, mask=hm & (vp == 0))

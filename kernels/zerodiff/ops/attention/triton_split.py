@@ -77,6 +77,73 @@ if HAVE_TRITON:
     from ..._triton import cast_bf16
 
     from ..block_slots import resolve_slots
+    from .triton_fallback import finish_softmax_rows
+
+    @triton.jit
+    def split_load_q(q_ptr, q_s0, q_s1, r, h, hm, D_V: tl.constexpr, D_R: tl.constexpr, EXACT: tl.constexpr):
+        """Query row ``r``'s heads ``h`` transposed, (nope [D_V, BLOCK_H], rope [D_R, BLOCK_H]): bf16, or fp32
+        copies of the bf16 values when EXACT (the interpreter's dot)."""
+        dv = tl.arange(0, D_V)
+        dr = tl.arange(0, D_R)
+        qrow = q_ptr + r * q_s0 + h[None, :] * q_s1
+        qnt = tl.load(qrow + dv[:, None], mask=hm[None, :], other=0.0)  # [D_V, BLOCK_H]
+        qrt = tl.load(qrow + D_V + dr[:, None], mask=hm[None, :], other=0.0)  # [D_R, BLOCK_H]
+        if EXACT:
+            qnt = qnt.to(tl.float32)
+            qrt = qrt.to(tl.float32)
+        return qnt, qrt
+
+    @triton.jit
+    def split_softmax_step(kn, kr, valid, qnt, qrt, m, l, acc, scale_log2, EXACT: tl.constexpr):
+        """One sub-block of the transposed online softmax (module docstring, launch 1): dequantised tokens
+        (kn bf16 [BLOCK_N, D_V], kr bf16 [BLOCK_N, D_R], valid [BLOCK_N]) folded into (m, l [BLOCK_H], acc
+        [D_V, BLOCK_H]); returns the new (m, l, acc)."""
+        if EXACT:
+            kn = kn.to(tl.float32)
+            kr = kr.to(tl.float32)
+        s = tl.dot(kn, qnt) + tl.dot(kr, qrt)  # [BLOCK_N, BLOCK_H] = scores^T
+        s = s * scale_log2
+        s = tl.where(valid[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[None, :])
+        l = l * alpha + tl.sum(p, axis=0)
+        pb = cast_bf16(p, EXACT)
+        if EXACT:
+            pb = pb.to(tl.float32)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(kn), pb)  # [D_V, BLOCK_H]
+        return m_new, l, acc
+
+    @triton.jit
+    def split_store_partials(pm_ptr, pl_ptr, pacc_ptr, r, c, NCH, H, h, hm, m, l, acc, D_V: tl.constexpr):
+        """Write chunk ``c``'s (m, l, acc) of row ``r``: m / l as [Q, NCH, H], acc as [Q, NCH, D_V, H] (heads
+        contiguous, the transposed tile stored as it is)."""
+        dv = tl.arange(0, D_V)
+        prow = (r * NCH + c) * H + h  # [BLOCK_H] row of the [Q, NCH, H] partial arrays
+        tl.store(pm_ptr + prow, m, mask=hm)
+        tl.store(pl_ptr + prow, l, mask=hm)
+        tl.store(pacc_ptr + ((r * NCH + c) * D_V + dv[:, None]) * H + h[None, :], acc, mask=hm[None, :])
+
+    @triton.jit
+    def split_merge_rows(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, r, h, hm, dv, H, NCH, D_V: tl.constexpr,
+                         HAS_SINK: tl.constexpr, BLOCK_H: tl.constexpr, NC: tl.constexpr):
+        """Launch 2 for row ``r``, heads ``h`` and output columns ``dv`` (NC of them): the chunk partials
+        combined in ascending chunk order, then :func:`finish_softmax_rows`; returns (o [BLOCK_H, NC], lse)."""
+        mx = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for c in range(0, NCH):
+            mx = tl.maximum(mx, tl.load(pm_ptr + (r * NCH + c) * H + h, mask=hm, other=float("-inf")))
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, NC], tl.float32)
+        for c in range(0, NCH):
+            prow = (r * NCH + c) * H + h
+            mc = tl.load(pm_ptr + prow, mask=hm, other=float("-inf"))
+            w = tl.exp2(mc - mx_safe)  # 0 for an empty chunk (mc = -inf)
+            l = l + tl.load(pl_ptr + prow, mask=hm, other=0.0) * w
+            at = tl.load(pacc_ptr + ((r * NCH + c) * D_V + dv[:, None]) * H + h[None, :], mask=hm[None, :], other=0.0)
+            acc = acc + tl.trans(at) * w[:, None]
+        return finish_softmax_rows(acc, l, mx_safe, sink_ptr, h, hm, HAS_SINK)
 
     @triton.jit
     def _split_dequant_tile(cache_ptr, bt_ptr, bt_s0, req, idx, num_blocks, max_blocks,
@@ -122,14 +189,7 @@ if HAVE_TRITON:
         req = tl.load(req_ptr + r).to(tl.int64)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hm = h < H
-        dv = tl.arange(0, D_V)
-        dr = tl.arange(0, D_R)
-        qrow = q_ptr + r * q_s0 + h[None, :] * q_s1
-        qnt = tl.load(qrow + dv[:, None], mask=hm[None, :], other=0.0)  # [D_V, BLOCK_H]
-        qrt = tl.load(qrow + D_V + dr[:, None], mask=hm[None, :], other=0.0)  # [D_R, BLOCK_H]
-        if EXACT:
-            qnt = qnt.to(tl.float32)
-            qrt = qrt.to(tl.float32)
+        qnt, qrt = split_load_q(q_ptr, q_s0, q_s1, r, h, hm, D_V, D_R, EXACT)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([D_V, BLOCK_H], tl.float32)  # transposed accumulator
@@ -139,27 +199,8 @@ if HAVE_TRITON:
             idx = tl.load(pos_ptr + r * pos_s0 + n, mask=n < K, other=-1).to(tl.int64)
             kn, kr, valid = _split_dequant_tile(cache_ptr, bt_ptr, bt_s0, req, idx, num_blocks, max_blocks,
                                                 BLOCK_SIZE, BPT, D_V, D_R, EXACT)
-            if EXACT:
-                kn = kn.to(tl.float32)
-                kr = kr.to(tl.float32)
-            s = tl.dot(kn, qnt) + tl.dot(kr, qrt)  # [BLOCK_N, BLOCK_H] = scores^T
-            s = s * scale_log2
-            s = tl.where(valid[:, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)
-            p = tl.exp2(s - m_safe[None, :])
-            l = l * alpha + tl.sum(p, axis=0)
-            pb = cast_bf16(p, EXACT)
-            if EXACT:
-                pb = pb.to(tl.float32)
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(kn), pb)  # [D_V, BLOCK_H]
-            m = m_new
-        prow = (r * NCH + c) * H + h  # [BLOCK_H] row of the [Q, NCH, H] partial arrays
-        tl.store(pm_ptr + prow, m, mask=hm)
-        tl.store(pl_ptr + prow, l, mask=hm)
-        # partial accumulators as [Q, NCH, D_V, H]: heads contiguous, the transposed tile stored as it is
-        tl.store(pacc_ptr + ((r * NCH + c) * D_V + dv[:, None]) * H + h[None, :], acc, mask=hm[None, :])
+            m, l, acc = split_softmax_step(kn, kr, valid, qnt, qrt, m, l, acc, scale_log2, EXACT)
+        split_store_partials(pm_ptr, pl_ptr, pacc_ptr, r, c, NCH, H, h, hm, m, l, acc, D_V)
 
     @triton.jit
     def _split_merge_kernel(
@@ -171,28 +212,8 @@ if HAVE_TRITON:
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hm = h < H
         dv = tl.arange(0, D_V)
-        mx = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for c in range(0, NCH):
-            mx = tl.maximum(mx, tl.load(pm_ptr + (r * NCH + c) * H + h, mask=hm, other=float("-inf")))
-        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-        l = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, D_V], tl.float32)
-        for c in range(0, NCH):
-            prow = (r * NCH + c) * H + h
-            mc = tl.load(pm_ptr + prow, mask=hm, other=float("-inf"))
-            w = tl.exp2(mc - mx_safe)  # 0 for an empty chunk (mc = -inf)
-            l = l + tl.load(pl_ptr + prow, mask=hm, other=0.0) * w
-            at = tl.load(pacc_ptr + ((r * NCH + c) * D_V + dv[:, None]) * H + h[None, :], mask=hm[None, :], other=0.0)
-            acc = acc + tl.trans(at) * w[:, None]
-        lonely = l == 0.0
-        l_safe = tl.where(lonely, 1.0, l)
-        lse2 = tl.where(lonely, 0.0, mx_safe + tl.log2(l_safe))
-        o = acc / l_safe[:, None]
-        if HAS_SINK:
-            sink = tl.load(sink_ptr + h, mask=hm, other=0.0)
-            o = o * (1.0 / (1.0 + tl.exp2(sink * 1.4426950408889634 - lse2)))[:, None]
-        o = tl.where(lonely[:, None], 0.0, o)
-        lse = tl.where(lonely, float("inf"), lse2 * 0.6931471805599453)
+        o, lse = split_merge_rows(pm_ptr, pl_ptr, pacc_ptr, sink_ptr, r, h, hm, dv, H, NCH, D_V, HAS_SINK, BLOCK_H,
+                                  D_V)
         tl.store(out_ptr + r * o_s0 + h[:, None] * o_s1 + dv[None, :], cast_bf16(o, EXACT), mask=hm[:, None])
         tl.store(lse_ptr + r * lse_s0 + h, lse, mask=hm)
 
