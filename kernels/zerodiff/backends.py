@@ -69,6 +69,17 @@ def deep_gemm() -> ModuleType | None:
     return _load("deepgemm")[0]
 
 
+def deep_gemm_on(device) -> tuple[ModuleType | None, str]:
+    """(the DeepGEMM module, "") when DeepGEMM is importable and ``device`` (a torch.device) is CUDA, else (None,
+    why not): the first test of every DeepGEMM probe."""
+    dg = deep_gemm()
+    if dg is None:
+        return None, f"DeepGEMM not importable: {status()['deepgemm']['detail']}"
+    if device.type != "cuda":
+        return None, f"DeepGEMM needs a CUDA device, got {device}"
+    return dg, ""
+
+
 def flash_mla() -> ModuleType | None:
     """FlashMLA's Python interface (``flash_mla_sparse_fwd`` etc.), or None."""
     return _load("flashmla")[0]

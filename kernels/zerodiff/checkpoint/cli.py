@@ -129,11 +129,9 @@ def register(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="zerodiff")
-    sub = ap.add_subparsers(dest="command")
-    add_parser(sub)
-    args = ap.parse_args(["make-checkpoint", *(sys.argv[1:] if argv is None else argv)])
-    return int(args.func(args))
+    from ..cli import run_command
+
+    return run_command("make-checkpoint", add_parser, argv)
 
 
 if __name__ == "__main__":

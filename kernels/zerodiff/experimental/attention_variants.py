@@ -33,7 +33,7 @@ from zerodiff.ops import kv_cache as _kv
 from zerodiff.ops.attention import flashmla_fp8 as _fm
 from zerodiff.ops.attention import triton_fallback as _tf
 from zerodiff.ops.attention import triton_split as _ts
-from zerodiff.ops.attention.checks import LOG2E, check_fp8_read_args, check_out, fail
+from zerodiff.ops.attention.checks import LOG2E, check_fp8_read_args, check_out, fail, read_outputs
 
 __all__ = ["MERGE_BH_SMALL", "SPLIT_SAME_BITS_AS_DEFAULT", "SPLIT_VARIANTS", "sparse_mla_attention_flashmla_fp8_q_copy",
            "sparse_mla_attention_fp8", "sparse_mla_attention_fp8_split_variant", "split_variant_config"]
@@ -304,9 +304,7 @@ def sparse_mla_attention_fp8(q, cache, block_table, req_ids, positions, sm_scale
     check_out(out, (Q, H, d_nope), "triton_fp8", contiguous=False)
     if check:
         _kv._check_gather_values(cache, block_table, req_ids, positions, seq_lens)
-    if out is None:
-        out = torch.empty(Q, H, d_nope, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(Q, H, dtype=torch.float32, device=q.device)
+    out, lse = read_outputs(q, d_nope, out)
     if Q == 0:
         return out, lse
     q = q if q.stride(2) == 1 else q.contiguous()

@@ -204,11 +204,9 @@ def deepgemm_verdict(N: int, K: int, device, ue8m0: bool = False) -> tuple[bool,
 
 
 def _probe(N, K, device, ue8m0):
-    dg = backends.deep_gemm()
+    dg, why = backends.deep_gemm_on(device)
     if dg is None:
-        return False, f"DeepGEMM not importable: {backends.status()['deepgemm']['detail']}"
-    if device.type != "cuda":
-        return False, f"DeepGEMM needs a CUDA device, got {device}"
+        return False, why
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"zerodiff.fp8_gemm: the DeepGEMM probe for (N={N}, K={K}) cannot run inside CUDA graph "
                            "capture; call fp8_gemm.selected_backend(N, K, device) for every weight shape at model "

@@ -521,11 +521,9 @@ def deepgemm_grouped_verdict(N: int, K: int, device, ue8m0: bool = False) -> tup
     key = (int(N), int(K), str(device), bool(ue8m0))
     if key in _DG_VERDICTS:
         return _DG_VERDICTS[key]
-    dg = backends.deep_gemm()
+    dg, why = backends.deep_gemm_on(device)
     if dg is None:
-        return False, f"DeepGEMM not importable: {backends.status()['deepgemm']['detail']}"
-    if device.type != "cuda":
-        return False, f"DeepGEMM needs a CUDA device, got {device}"
+        return False, why
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("zerodiff.moe: the DeepGEMM grouped probe cannot run inside CUDA graph capture; call "
                            "moe.deepgemm_grouped_verdict for the expert shapes at model load")

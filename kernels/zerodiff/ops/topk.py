@@ -82,6 +82,16 @@ if zt.HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _row_length(len_ptr, row, W, HAS_LEN: tl.constexpr):
+        """Row ``row``'s valid length as int32: ``lengths[row]`` clamped to [0, W] when HAS_LEN, else W."""
+        if HAS_LEN:
+            L = tl.load(len_ptr + row).to(tl.int32)
+            L = tl.minimum(tl.maximum(L, 0), W)
+        else:
+            L = W + tl.zeros([], tl.int32)
+        return L
+
+    @triton.jit
     def _row_keys(x, inb):
         """Order-preserving uint32 keys of fp32 values and the candidate mask (in bounds and not NaN)."""
         i = x.to(tl.int32, bitcast=True)
@@ -125,11 +135,7 @@ if zt.HAVE_TRITON:
                      HAS_LEN: tl.constexpr, RET_SCORES: tl.constexpr, CHUNK: tl.constexpr,
                      DIGIT: tl.constexpr, NPASS: tl.constexpr, NB: tl.constexpr, HIST_MASK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
-        if HAS_LEN:
-            L = tl.load(len_ptr + row).to(tl.int32)
-            L = tl.minimum(tl.maximum(L, 0), W)
-        else:
-            L = W + tl.zeros([], tl.int32)
+        L = _row_length(len_ptr, row, W, HAS_LEN)
         srow = s_ptr + row * stride_r
         n_chunks = tl.cdiv(L, CHUNK)
         # loads stop at L rounded up to 16 (never past W), so whole 16-column groups share one mask and
@@ -262,11 +268,7 @@ if zt.HAVE_TRITON:
         integer atomics (exact: the sum does not depend on the order of the adds)."""
         row = tl.program_id(0).to(tl.int64)
         sl = tl.program_id(1)
-        if HAS_LEN:
-            L = tl.load(len_ptr + row).to(tl.int32)
-            L = tl.minimum(tl.maximum(L, 0), W)
-        else:
-            L = W + tl.zeros([], tl.int32)
+        L = _row_length(len_ptr, row, W, HAS_LEN)
         if LEVEL > 0:
             T, need, done, prefix, kk = _split_state(tot_ptr, row, k, LEVEL, D0, LV)
         else:
@@ -296,11 +298,7 @@ if zt.HAVE_TRITON:
         order, in the slice's own region of the scratch; write how many."""
         row = tl.program_id(0).to(tl.int64)
         sl = tl.program_id(1)
-        if HAS_LEN:
-            L = tl.load(len_ptr + row).to(tl.int32)
-            L = tl.minimum(tl.maximum(L, 0), W)
-        else:
-            L = W + tl.zeros([], tl.int32)
+        L = _row_length(len_ptr, row, W, HAS_LEN)
         n = tl.zeros([], tl.int32)
         if sl * SW < L:
             T, need, done, prefix, kk = _split_state(tot_ptr, row, k, LV, D0, LV)

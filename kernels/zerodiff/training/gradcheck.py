@@ -130,21 +130,29 @@ def f64_sequence_logprobs(P: dict, cfg, tokens: list, n_prompt: int, sel: list, 
     return torch.log_softmax(logits, -1).gather(1, tgt[:, None]).squeeze(1)
 
 
-def gradient_check(trainer, seqs, coef: dict, pack_seed: int = 0, coef_ref: dict | None = None) -> dict:
-    """STE gradients (``trainer``: a TrainingForward) vs the float64 model; returns per-group relative errors.
-
-    ``coef_ref`` (default ``coef``) weights the float64 side's loss: a different value is the negative control
-    (the metric must then be large)."""
+def _ste_gradients(trainer, seqs, coef: dict, pack_seed: int, rec):
+    """Run the training forward + backward once with recorder ``rec``: (the masters' STE gradients as float64 CPU
+    tensors, fresh float64 CPU copies of the masters, trainable ones requiring grad). The masters' .grad are left
+    cleared."""
     masters = trainer.masters
-    cfg = trainer.cfg
     for p in masters.values():
         p.grad = None
-    rec = Recorder()
     trainer.run(seqs, pack_seed, grad=True, coef=coef, record=rec)
     g_ste = {k: p.grad.detach().double().cpu() for k, p in masters.items() if p.grad is not None}
     for p in masters.values():
         p.grad = None
     P = {k: v.detach().double().cpu().requires_grad_(is_trainable(k)) for k, v in masters.items()}
+    return g_ste, P
+
+
+def gradient_check(trainer, seqs, coef: dict, pack_seed: int = 0, coef_ref: dict | None = None) -> dict:
+    """STE gradients (``trainer``: a TrainingForward) vs the float64 model; returns per-group relative errors.
+
+    ``coef_ref`` (default ``coef``) weights the float64 side's loss: a different value is the negative control
+    (the metric must then be large)."""
+    cfg = trainer.cfg
+    rec = Recorder()
+    g_ste, P = _ste_gradients(trainer, seqs, coef, pack_seed, rec)
     loss = 0.0
     for key, prompt, resp in seqs:
         toks = list(prompt) + list(resp)
@@ -187,14 +195,8 @@ def tight_gradient_check(trainer, seqs, coef: dict, pack_seed: int = 0) -> dict:
 
     masters = trainer.masters
     cfg = trainer.cfg
-    for p in masters.values():
-        p.grad = None
     rec = OpRecorder()
-    trainer.run(seqs, pack_seed, grad=True, coef=coef, record=rec)
-    g_ste = {k: p.grad.detach().double().cpu() for k, p in masters.items() if p.grad is not None}
-    for p in masters.values():
-        p.grad = None
-    P = {k: v.detach().double().cpu().requires_grad_(is_trainable(k)) for k, v in masters.items()}
+    g_ste, P = _ste_gradients(trainer, seqs, coef, pack_seed, rec)
     loss = torch.zeros((), dtype=torch.float64)
     for key, prompt, resp in seqs:
         toks = list(prompt) + list(resp)

@@ -63,6 +63,15 @@ def check_out(out, shape: tuple, path: str | None, *, contiguous: bool) -> None:
         raise fail(path, f"out must be bf16 {list(shape)} ({layout}), got {_desc(out)}")
 
 
+def read_outputs(q, d_v: int, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a read of q [Q, H, D]: ``out`` itself (already checked) or a new bf16 [Q, H, d_v], and a new
+    fp32 lse [Q, H], both uninitialised, on q's device."""
+    Q, H = q.shape[0], q.shape[1]
+    if out is None:
+        out = torch.empty(Q, H, d_v, dtype=torch.bfloat16, device=q.device)
+    return out, torch.empty(Q, H, dtype=torch.float32, device=q.device)
+
+
 def check_fp8_read_args(q, cache, block_table, req_ids, positions, attn_sink, d_nope: int, d_rope: int,
                         path: str) -> None:
     """q bf16 [Q, H, d_nope + d_rope], positions int32 [Q, W], req_ids int32 [Q], block_table int32 2-D,

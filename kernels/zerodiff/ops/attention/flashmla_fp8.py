@@ -78,6 +78,7 @@ from ..._triton import HAVE_TRITON, LAUNCH_OPTS, triton_usable_for
 from .. import kv_cache as _kv
 from .checks import FLASHMLA_HEADS, FLASHMLA_TOPK_BLOCK, MODEL_D_V, MODEL_DIMS, check_fp8_read_args, check_out
 from .checks import fail as _fail
+from .checks import read_outputs
 from ...errors import InputError
 from ..block_slots import resolve_slots_torch
 
@@ -513,9 +514,7 @@ def read_request_local(q, cache, block_table, req_ids, positions, sm_scale, *, a
     check_out(out, (Q, H, d_nope), PATH, contiguous=True)
     if check:
         _kv._check_gather_values(cache, block_table, req_ids, positions, seq_lens)
-    if out is None:
-        out = torch.empty(Q, H, d_nope, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(Q, H, dtype=torch.float32, device=q.device)
+    out, lse = read_outputs(q, d_nope, out)
     if Q == 0:
         return out, lse
     nb, bs, _ = cache.shape

@@ -25,7 +25,7 @@ import torch
 
 from ... import _triton
 from ..._triton import HAVE_TRITON, LAUNCH_OPTS
-from .checks import LOG2E, fail
+from .checks import LOG2E, fail, read_outputs
 
 __all__ = ["BLOCK_H", "BLOCK_N", "NUM_WARPS", "V_SPLIT", "triton_attention"]
 
@@ -183,9 +183,7 @@ def triton_attention(q, kv2, idx2, sm_scale: float, d_v: int, attn_sink=None, ou
     d_r = D - d_v
     if d_r <= 0 or (d_r & (d_r - 1)):
         raise fail(None, f"the Triton fallback needs d_qk - d_v a power of two, got {d_r}")
-    if out is None:
-        out = torch.empty(Q, H, d_v, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(Q, H, dtype=torch.float32, device=q.device)
+    out, lse = read_outputs(q, d_v, out)
     if Q == 0:
         return out, lse
     q = q if q.stride(2) == 1 else q.contiguous()

@@ -47,7 +47,7 @@ import torch
 from ... import _triton
 from ..._triton import HAVE_TRITON, LAUNCH_OPTS, require_triton, triton_usable_for
 from .. import kv_cache as _kv
-from .checks import LOG2E, check_fp8_read_args, check_out, fail
+from .checks import LOG2E, check_fp8_read_args, check_out, fail, read_outputs
 
 __all__ = ["SPLIT_MAX_ROWS", "check_split_call", "run_split", "sparse_mla_attention_fp8_split", "split_config"]
 
@@ -248,9 +248,7 @@ def run_split(q, cache, block_table, req_ids, positions, sm_scale, attn_sink, d_
     if chunk <= 0 or bn <= 0 or chunk % bn:
         raise fail(PATH, f"CHUNK={chunk} must be a positive multiple of BLOCK_N={bn}")
     Q, H, _ = q.shape
-    if out is None:
-        out = torch.empty(Q, H, d_nope, dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty(Q, H, dtype=torch.float32, device=q.device)
+    out, lse = read_outputs(q, d_nope, out)
     if Q == 0:
         return out, lse
     q = q if q.stride(2) == 1 else q.contiguous()
