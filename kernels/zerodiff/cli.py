@@ -61,16 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def run_command(command: str, add_parser, argv: list[str] | None = None) -> int:
-    """``zerodiff <command> <argv>`` as a program of its own: a parser holding only the subcommand that
-    ``add_parser(subparsers)`` adds; ``argv`` None means ``sys.argv[1:]``. Returns the subcommand's exit status."""
-    ap = argparse.ArgumentParser(prog="zerodiff")
-    sub = ap.add_subparsers(dest="command")
-    add_parser(sub)
-    args = ap.parse_args([command, *(sys.argv[1:] if argv is None else argv)])
-    return int(args.func(args))
-
-
 def _doctor(args: argparse.Namespace) -> int:
     from . import doctor
 

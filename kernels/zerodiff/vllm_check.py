@@ -762,7 +762,7 @@ def register(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    from .cli import run_command
+    from .subcommand import run_command
 
     return run_command("vllm-check", add_parser, argv)
 

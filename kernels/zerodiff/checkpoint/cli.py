@@ -129,7 +129,7 @@ def register(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    from ..cli import run_command
+    from ..subcommand import run_command
 
     return run_command("make-checkpoint", add_parser, argv)
 
