@@ -14,26 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import types
 
 import pytest
 import torch
 
 from bitwise import assert_bitwise_equal
+from e2e_helpers import clone_requests, make_requests
 from zerodiff.model.config import CPU
 from zerodiff.model.ops import make_ops
 from zerodiff.model.weights import Deployment, init_masters
-from zerodiff.rollout.engine import Request, RolloutEngine
+from zerodiff.rollout.engine import RolloutEngine
 from zerodiff.rollout.graphs import GUARD_ROOTS, HostSyncError, host_sync_guard
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run_as(filename, src, env):
@@ -200,13 +195,7 @@ def cuda_branches(monkeypatch):
 
 
 def _requests(seed, n, vocab, plen=(8, 24), rlen=(4, 10)):
-    rng = random.Random(seed)
-    return [Request(2000 + i, [rng.randrange(vocab) for _ in range(rng.randint(*plen))], rng.randint(*rlen))
-            for i in range(n)]
-
-
-def _clone(reqs):
-    return [Request(r.rid, list(r.prompt), r.max_new) for r in reqs]
+    return make_requests(seed, n, vocab, plen, rlen, first_rid=2000)
 
 
 @pytest.mark.parametrize("mode", ["consistent", "baseline"])
@@ -219,7 +208,7 @@ def test_emulated_captured_decode_step_has_no_host_sync(cuda_branches, mode):
         eng = RolloutEngine(CPU, Deployment(masters), make_ops(mode, "rollout", cfg), sample_seed=4, use_graphs=g)
         if g:
             eng.graphs.guard = True  # any host<->device traffic / sync from the harness raises HostSyncError
-        res[g] = eng.generate(_clone(reqs), 6)
+        res[g] = eng.generate(clone_requests(reqs), 6)
         if g:
             assert eng.stats["graph_steps"] > 0 and eng.graphs.disabled is None
     if mode == "consistent":  # graph == eager (masked MoE layout in the graph, contiguous eager)
@@ -292,7 +281,7 @@ def test_cuda_wiring_at_the_flashmla_per_head_shapes(cuda_branches, monkeypatch)
             eng = RolloutEngine(p, Deployment(masters), make_ops(mode, "rollout", mc), sample_seed=4, use_graphs=g)
             if g:
                 eng.graphs.guard = True
-            res[g] = eng.generate(_clone(reqs), 6)
+            res[g] = eng.generate(clone_requests(reqs), 6)
             if g:
                 assert eng.stats["graph_steps"] > 0 and eng.graphs.disabled is None
         if mode == "consistent":
