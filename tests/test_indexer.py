@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from attention_inputs import paged_layout
 from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch
 from zerodiff.ops import indexer as ix
 from zerodiff.reference import indexer as ref
@@ -13,17 +14,8 @@ D = 64  # interpreter-sized key dim (the model's is 128)
 
 
 def _setup(g, lens, d=D, bs=16, H=4, extra_blocks=2):
-    B = len(lens)
-    mb = max((L + bs - 1) // bs for L in lens)
     nb = sum((L + bs - 1) // bs for L in lens) + extra_blocks
-    perm = torch.randperm(nb, generator=g).to(torch.int32)
-    bt = torch.full((B, mb), -1, dtype=torch.int32)
-    used, slots = 0, []
-    for b, L in enumerate(lens):
-        n = (L + bs - 1) // bs
-        bt[b, :n] = perm[used : used + n]
-        used += n
-        slots += [int(bt[b, p // bs]) * bs + p % bs for p in range(L)]
+    bt, slots = paged_layout(g, lens, bs, nb)
     k = (torch.randn(len(slots), d, generator=g) * torch.logspace(-3, 2, len(slots))[:, None]).to(torch.bfloat16)
     k[0] = 0.0
     k[1, ::2] = -0.0
