@@ -19,8 +19,7 @@ import types
 import pytest
 import torch
 
-from bitwise import assert_bitwise_equal
-from e2e_helpers import clone_requests, make_requests
+from e2e_helpers import assert_graph_equals_eager, graph_and_eager, make_requests
 from zerodiff.model.config import CPU
 from zerodiff.model.ops import make_ops
 from zerodiff.model.weights import Deployment, init_masters
@@ -203,18 +202,11 @@ def test_emulated_captured_decode_step_has_no_host_sync(cuda_branches, mode):
     cfg = CPU.model
     masters = init_masters(cfg, 3)
     reqs = _requests(5, 6, cfg.vocab)
-    res = {}
-    for g in ("emulate", False):
-        eng = RolloutEngine(CPU, Deployment(masters), make_ops(mode, "rollout", cfg), sample_seed=4, use_graphs=g)
-        if g:
-            eng.graphs.guard = True  # any host<->device traffic / sync from the harness raises HostSyncError
-        res[g] = eng.generate(clone_requests(reqs), 6)
-        if g:
-            assert eng.stats["graph_steps"] > 0 and eng.graphs.disabled is None
+    # guard: any host<->device traffic / sync from the harness raises HostSyncError
+    res, eng = graph_and_eager(CPU, masters, mode, reqs, 6, sample_seed=4, guard=True)
+    assert eng.stats["graph_steps"] > 0 and eng.graphs.disabled is None
     if mode == "consistent":  # graph == eager (masked MoE layout in the graph, contiguous eager)
-        for r in reqs:
-            assert res["emulate"][r.rid].response == res[False][r.rid].response
-            assert_bitwise_equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs, f"request {r.rid}")
+        assert_graph_equals_eager(res, reqs)
     else:  # the baseline's CUDA wiring really ran (fakes), in both layouts and both attention kernels
         c = cuda_branches
         assert c.dg.calls["fp8_gemm_nt"] > 0 and c.dg.calls["masked"] > 0 and c.dg.calls["contiguous"] > 0
@@ -276,16 +268,9 @@ def test_cuda_wiring_at_the_flashmla_per_head_shapes(cuda_branches, monkeypatch)
     masters = init_masters(mc, 3)
     reqs = _requests(5, 4, mc.vocab, plen=(8, 20), rlen=(3, 6))
     for mode in ("consistent", "baseline"):
-        res = {}
-        for g in ("emulate", False):
-            eng = RolloutEngine(p, Deployment(masters), make_ops(mode, "rollout", mc), sample_seed=4, use_graphs=g)
-            if g:
-                eng.graphs.guard = True
-            res[g] = eng.generate(clone_requests(reqs), 6)
-            if g:
-                assert eng.stats["graph_steps"] > 0 and eng.graphs.disabled is None
+        res, eng = graph_and_eager(p, masters, mode, reqs, 6, sample_seed=4, guard=True)
+        assert eng.stats["graph_steps"] > 0 and eng.graphs.disabled is None
         if mode == "consistent":
-            for r in reqs:
-                assert_bitwise_equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs, f"request {r.rid}")
+            assert_graph_equals_eager(res, reqs, responses=False)
     assert fm.calls["decode"] > 0 and fm.calls["sparse_fwd"] > 0
     assert not any("rejected" in v for v in bc.CHOICES.values()), bc.CHOICES

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch, first_difference
-from e2e_helpers import clone_requests, make_requests
+from e2e_helpers import assert_graph_equals_eager, clone_requests, graph_and_eager, make_requests
 from zerodiff.model.config import CPU
 from zerodiff.model.ops import ConsistentOps, WeightVersionError, make_ops
 from zerodiff.model.weights import Deployment, init_masters
@@ -204,16 +204,10 @@ def test_graph_decode_path_emulated_on_cpu_equals_eager(mode):
     cfg = CPU.model
     masters = init_masters(cfg, 8)
     reqs = make_requests(6, 9, cfg.vocab)
-    res = {}
-    for g in ("emulate", False):
-        eng = RolloutEngine(CPU, Deployment(masters), make_ops(mode, "rollout", cfg), sample_seed=2, use_graphs=g)
-        res[g] = eng.generate(clone_requests(reqs), 4)
-        if g:
-            assert eng.stats["graph_steps"] > 0
+    res, eng = graph_and_eager(CPU, masters, mode, reqs, 4, sample_seed=2)
+    assert eng.stats["graph_steps"] > 0
     if mode == "consistent":
-        for r in reqs:
-            assert res["emulate"][r.rid].response == res[False][r.rid].response
-            assert_bitwise_equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs, f"request {r.rid}")
+        assert_graph_equals_eager(res, reqs)
 
 
 def test_forward_victim_decode_at_dispatch_boundaries():
@@ -283,12 +277,8 @@ def test_cuda_dispatch_branch_runs_on_cpu_through_team_references(monkeypatch):
     cfg = CPU.model
     masters = init_masters(cfg, 1)
     reqs = make_requests(0, 6, cfg.vocab, rlen=(4, 10))
-    res = {}
-    for g in ("emulate", False):
-        eng = RolloutEngine(CPU, Deployment(masters), make_ops("consistent", "rollout", cfg), sample_seed=1, use_graphs=g)
-        res[g] = eng.generate(clone_requests(reqs), 3)
-    for r in reqs:
-        assert_bitwise_equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs, f"request {r.rid}")
+    res, _ = graph_and_eager(CPU, masters, "consistent", reqs, 3, sample_seed=1)
+    assert_graph_equals_eager(res, reqs, responses=False)
 
 
 def test_checkpointed_attention_graph_gives_the_same_gradients(monkeypatch):

@@ -31,6 +31,11 @@ def _queries(g, T, H=4, d=D):
     return q_fp8, w.to(torch.float32)
 
 
+def _rows(req, pos):
+    """Query rows: their request ids and positions as int32 tensors."""
+    return torch.tensor(req, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_index_cache_write_matches_fp8_rule(seeded, backend):
     g = seeded()
@@ -50,8 +55,7 @@ def test_triton_scores_match_reference_and_mask_causally(seeded):
     lens = [70, 33]
     cache, bt, _, _ = _setup(g, lens)
     T, W = 6, 96
-    req = torch.tensor([0, 1, 0, 1, 0, 0], dtype=torch.int32)
-    pos = torch.tensor([69, 32, 0, 5, 40, 64], dtype=torch.int32)
+    req, pos = _rows([0, 1, 0, 1, 0, 0], [69, 32, 0, 5, 40, 64])
     q, w = _queries(g, T)
     a = ix.index_scores(q, w, cache, bt, req, pos, W, backend="triton")
     b = ref.index_scores_ref(q, w, cache, bt, req, pos, W)
@@ -96,8 +100,7 @@ def test_short_context_static_rule_equals_scored_path(seeded):
     lens = [60, 40]
     cache, bt, _, _ = _setup(g, lens)
     W, k = 64, 24
-    req = torch.tensor([0, 0, 0, 1, 1, 0], dtype=torch.int32)
-    pos = torch.tensor([0, 10, 23, 24, 39, 59], dtype=torch.int32)  # lengths 1, 11, 24 (= k), 25, 40, 60
+    req, pos = _rows([0, 0, 0, 1, 1, 0], [0, 10, 23, 24, 39, 59])  # lengths 1, 11, 24 (= k), 25, 40, 60
     q, w = _queries(g, 6)
     fast = ix.indexer_topk(q, w, cache, bt, req, pos, k, W, shortcut=True, backend="triton")
     scored = ix.indexer_topk(q, w, cache, bt, req, pos, k, W, shortcut=False, backend="triton")
