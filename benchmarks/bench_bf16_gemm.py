@@ -9,19 +9,17 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms, parser, row, write  # noqa: E402
+from common import cuda_generator, median_ms, parse, row, write  # noqa: E402
 
 from zerodiff.ops.bf16_gemm import bf16_gemm, gemm_config  # noqa: E402
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    args, rep = parse(__doc__)
     shapes = [(64, 7168), (129280, 4096)] if args.quick else [(64, 4096), (64, 7168), (129280, 4096), (129280, 7168)]
     Ms = (1, 64, 1024) if args.quick else (1, 16, 64, 128, 512, 1024, 4096)
-    rep = 20 if args.quick else 50
     rows = []
-    g = torch.Generator(device="cuda")
-    g.manual_seed(0)
+    g = cuda_generator(0)
     for N, K in shapes:
         w = (torch.randn(N, K, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
         for M in Ms:

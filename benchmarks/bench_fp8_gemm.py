@@ -13,7 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms, parser, row, write  # noqa: E402
+from common import cuda_generator, median_ms, parse, row, write  # noqa: E402
 
 from zerodiff import backends  # noqa: E402
 from zerodiff.ops import fp8_gemm as fg  # noqa: E402
@@ -21,14 +21,12 @@ from zerodiff.ops.fp8_quant import Fp8Weight, quant_act  # noqa: E402
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    args, rep = parse(__doc__)
     shapes = [(4096, 7168), (7168, 2048)] if args.quick else [(4096, 7168), (7168, 2048), (2048, 7168), (7168, 4096)]
     Ms = (1, 64, 4096) if args.quick else (1, 16, 64, 128, 512, 1024, 4096)
-    rep = 20 if args.quick else 50
     dg = backends.deep_gemm()
     rows = []
-    g = torch.Generator(device="cuda")
-    g.manual_seed(0)
+    g = cuda_generator(0)
     for N, K in shapes:
         w = (torch.randn(N, K, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
         fw = Fp8Weight.from_master(w)

@@ -13,7 +13,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms, parser, row, write  # noqa: E402
+from common import median_ms, parse, row, write  # noqa: E402
 
 from zerodiff.ops.logprobs import CHUNK, token_logprobs  # noqa: E402
 
@@ -21,10 +21,9 @@ V = 129280
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    args, rep = parse(__doc__)
     Ts = (1, 64, 1024) if args.quick else (1, 16, 64, 256, 1024, 4096)
     dtypes = (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float32)
-    rep = 20 if args.quick else 50
     rows = []
     torch.manual_seed(0)
     for dt in dtypes:

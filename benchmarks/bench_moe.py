@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms, parser, row, write  # noqa: E402
+from common import cuda_generator, median_ms, parse, row, write  # noqa: E402
 
 from zerodiff.ops import fp8_gemm as fg  # noqa: E402
 from zerodiff.ops import moe  # noqa: E402
@@ -95,17 +95,15 @@ def grouped_gemm_rows(ex, H, T, k, rep, dg):
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    args, rep = parse(__doc__, quick_rep=10, rep=30)
     Hs = (4096,) if args.quick else (4096, 7168)
     Ts = (1, 128, 1024) if args.quick else (1, 16, 64, 128, 512, 1024, 4096)
-    rep = 10 if args.quick else 30
     E, I, k = 64, 2048, 8
     rows = []
     from zerodiff import backends
 
     dg = backends.deep_gemm()
-    g = torch.Generator(device="cuda")
-    g.manual_seed(0)
+    g = cuda_generator(0)
     for H in Hs:
         ex = moe.MoEWeights.from_master((torch.randn(E, 2 * I, H, generator=g, device="cuda") * 0.02).to(torch.bfloat16),
                                         (torch.randn(E, H, I, generator=g, device="cuda") * 0.02).to(torch.bfloat16))

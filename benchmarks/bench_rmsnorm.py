@@ -15,16 +15,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms, parser, row, write  # noqa: E402
+from common import median_ms, parse, row, write  # noqa: E402
 
 from zerodiff.ops.rmsnorm import _config, rms_norm  # noqa: E402
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    args, rep = parse(__doc__)
     Hs = (4096, 7168)
     Ts = (1, 64, 1024, 8192) if args.quick else (1, 2, 16, 64, 256, 1024, 4096, 8192)
-    rep = 20 if args.quick else 50
     eps = 1e-6
     rows = []
     torch.manual_seed(0)

@@ -10,20 +10,18 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms, parser, row, write  # noqa: E402
+from common import cuda_generator, median_ms, parse, row, write  # noqa: E402
 
 from zerodiff.ops.router_gemm import gemm_config, router_gemm  # noqa: E402
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    args, rep = parse(__doc__)
     Hs = (7168,) if args.quick else (4096, 7168)
     Ms = (1, 16, 128, 4096) if args.quick else (1, 4, 16, 64, 128, 512, 1024, 4096, 16384)
-    rep = 20 if args.quick else 50
     E = 256
     rows = []
-    g = torch.Generator(device="cuda")
-    g.manual_seed(0)
+    g = cuda_generator(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     for H in Hs:
         w = (torch.randn(E, H, generator=g, device="cuda") * 0.02).to(torch.bfloat16)

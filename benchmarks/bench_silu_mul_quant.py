@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_ms, parser, row, write  # noqa: E402
+from common import median_ms, parse, row, write  # noqa: E402
 
 from zerodiff.ops.silu_mul_quant import silu_mul, silu_mul_quant_fp8, silu_mul_quant_fp8_masked  # noqa: E402
 
@@ -80,10 +80,9 @@ def stock_fused(x, N):
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    args, rep = parse(__doc__)
     Ns = (2048,) if args.quick else (2048, 4096)
     Ms = (1, 64, 1024, 8192) if args.quick else (1, 16, 64, 256, 1024, 4096, 8192)
-    rep = 20 if args.quick else 50
     rows = []
     torch.manual_seed(0)
     for N in Ns:

@@ -296,17 +296,23 @@ def sweep_variants_decode(B, ctx, k, reps, rows, variants):
     torch.cuda.empty_cache()
 
 
-def sweep_variants_prefill(ctx, T, k, reps, rows, variants):
-    """Every named split variant on a prefill-shaped call (T rows of one request, causal top-k)."""
+def prefill_rows(ctx, T, k):
+    """The last T tokens of one ctx-long request as prefill rows: (cache, block_table, positions, req_ids, q, sm_scale).
+    Row t sees its causal top-k, positions <= ctx - T + t."""
     cache, bt = make_cache(1, ctx, gen_seed=1)
-    base = make_topk(1, ctx, k)[0]
+    base = make_topk(1, ctx, k)[0]  # descending: the positions a row may not see form a prefix
     lim = ctx - T + torch.arange(T, device="cuda")
     skip = (base[None, :] > lim[:, None]).sum(1)
     j = torch.arange(k, device="cuda")[None, :] + skip[:, None]
     pos = torch.where(j < k, base[j.clamp(max=k - 1)], torch.full_like(j, -1)).to(torch.int32)
     req = torch.zeros(T, dtype=torch.int32, device="cuda")
     q = (torch.randn(T, H, DQK, device="cuda") * 0.5).to(torch.bfloat16)
-    sc = 1.0 / math.sqrt(DQK)
+    return cache, bt, pos, req, q, 1.0 / math.sqrt(DQK)
+
+
+def sweep_variants_prefill(ctx, T, k, reps, rows, variants):
+    """Every named split variant on a prefill-shaped call (T rows of one request, causal top-k)."""
+    cache, bt, pos, req, q, sc = prefill_rows(ctx, T, k)
     times = {}
     for v in variants:
         e: dict = {}
@@ -326,16 +332,7 @@ def prefill_case(ctx, T, k):
     the vLLM-style stock prefill on them (torch dequantisation of the request, then ``flash_mla_sparse_fwd``).
     Returns (cache, block_table, positions, req_ids, q, sm_scale, seq_lens, stock_fn)."""
     fm = backends.flash_mla()
-    cache, bt = make_cache(1, ctx, gen_seed=1)
-    # rows = the last T tokens of the request; row t sees positions <= ctx - T + t
-    base = make_topk(1, ctx, k)[0]  # descending: the positions a row may not see form a prefix
-    lim = ctx - T + torch.arange(T, device="cuda")
-    skip = (base[None, :] > lim[:, None]).sum(1)
-    j = torch.arange(k, device="cuda")[None, :] + skip[:, None]
-    pos = torch.where(j < k, base[j.clamp(max=k - 1)], torch.full_like(j, -1)).to(torch.int32)
-    req = torch.zeros(T, dtype=torch.int32, device="cuda")
-    q = (torch.randn(T, H, DQK, device="cuda") * 0.5).to(torch.bfloat16)
-    sc = 1.0 / math.sqrt(DQK)
+    cache, bt, pos, req, q, sc = prefill_rows(ctx, T, k)
     lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
     slots = slots_of(bt, torch.arange(ctx, dtype=torch.int32, device="cuda")[None], req[:1])[0].long()
     flat = cache.view(-1, 656)

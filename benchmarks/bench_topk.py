@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cubin_usage, median_ms, parser, row, write  # noqa: E402
+from common import capture, cubin_usage, median_ms, parser, row, write  # noqa: E402
 
 import zerodiff.ops.topk as topk_mod  # noqa: E402
 from zerodiff.experimental import topk_variants as xt  # noqa: E402
@@ -36,21 +36,8 @@ from zerodiff.ops.topk import _config, _topk_triton, deterministic_topk, topk_ro
 
 def graph_ms(fn, rep: int) -> float | None:
     """Median replay time of ``fn`` captured in a CUDA graph (decode runs under full CUDA graphs)."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return median_ms(g.replay, rep=rep)
-    except Exception as e:  # report, never hide: the row says why there is no graph time
-        print(f"  graph capture failed: {type(e).__name__}: {e}", flush=True)
-        return None
+    g = capture(fn, warmup=3, report=True)  # report, never hide: the row says why there is no graph time
+    return None if g is None else median_ms(g.replay, rep=rep)
 
 
 def _graph_fields(ours_fn, stock_fn, rep: int) -> dict:
@@ -60,6 +47,13 @@ def _graph_fields(ours_fn, stock_fn, rep: int) -> dict:
     out["graph_ratio"] = round(go / gs, 4) if go and gs else None
     print(f"  under CUDA graphs: ours {go} ms, stock {gs} ms, ratio {out['graph_ratio']}", flush=True)
     return out
+
+
+def _time_pair(ours_fn, stock_fn, rep: int, rows: int) -> tuple[float, float, dict]:
+    """Median times of ours and stock, and the phase (decode up to 128 rows, else prefill) with its ratio target."""
+    phase = "decode" if rows <= 128 else "prefill"
+    where = dict(phase=phase, target=1.3 if phase == "decode" else 1.1)
+    return median_ms(ours_fn, rep=rep), median_ms(stock_fn, rep=rep), where
 
 
 def sweep(k: int, rep: int, single: bool = False) -> list[dict]:
@@ -199,12 +193,10 @@ def main() -> None:
             def f_stock():
                 return torch.topk(s, k, dim=1)
 
-            t_ours = median_ms(f_ours, rep=rep)
-            t_stock = median_ms(f_stock, rep=rep)
-            phase = "decode" if R <= 128 else "prefill"
-            out.append(row("topk_dsa", f"rows={R} width={W} k={k}", t_ours, t_stock, "torch.topk",
-                           phase=phase, target=1.3 if phase == "decode" else 1.1, same_set_as_stock=same_set,
-                           variant=topk_mod.VARIANT, **_graph_fields(f_ours, f_stock, rep)))
+            t_ours, t_stock, where = _time_pair(f_ours, f_stock, rep, R)
+            out.append(row("topk_dsa", f"rows={R} width={W} k={k}", t_ours, t_stock, "torch.topk", **where,
+                           same_set_as_stock=same_set, variant=topk_mod.VARIANT,
+                           **_graph_fields(f_ours, f_stock, rep)))
             for variant in topk_mod.VARIANTS:  # both designs, same inputs, same stock time
                 def f_var(variant=variant):
                     return _topk_triton(s, k, lens, False, variant=variant)
@@ -218,7 +210,7 @@ def main() -> None:
                                     error=f"{type(e).__name__}: {str(e)[:300]}"))
                     continue
                 out.append(row(f"topk_dsa[{variant}]", f"rows={R} width={W} k={k}", t_var, t_stock, "torch.topk",
-                               phase=phase, target=1.3 if phase == "decode" else 1.1, equal_to_default=same,
+                               **where, equal_to_default=same,
                                config=str(_config(W) if variant == "single" else topk_mod._split_config(W))))
             del s, ours, stock
     E, kr = 256, 8
@@ -231,11 +223,8 @@ def main() -> None:
         def r_stock():
             return torch.topk(lg, kr, dim=1)
 
-        t_ours = median_ms(r_ours, rep=rep)
-        t_stock = median_ms(r_stock, rep=rep)
-        phase = "decode" if T <= 128 else "prefill"
-        out.append(row("topk_routing", f"tokens={T} experts={E} k={kr}", t_ours, t_stock, "torch.topk",
-                       phase=phase, target=1.3 if phase == "decode" else 1.1,
+        t_ours, t_stock, where = _time_pair(r_ours, r_stock, rep, T)
+        out.append(row("topk_routing", f"tokens={T} experts={E} k={kr}", t_ours, t_stock, "torch.topk", **where,
                        **_graph_fields(r_ours, r_stock, rep)))
     if args.sweep:
         out += sweep(k, rep, single=args.sweep_single)

@@ -29,24 +29,27 @@ def device_name() -> str:
 _MODES: list[str] = []
 
 
-def _capture(fn):
-    """Capture ``fn`` into a CUDA graph (after side-stream warm-up), or return None if it can't be captured
-    (host syncs, allocations outside the pool, ...)."""
+def capture(fn, warmup: int = 2, report: bool = False):
+    """Capture ``fn`` into a CUDA graph (after ``warmup`` side-stream calls), or return None if it can't be captured
+    (host syncs, allocations outside the pool, ...); with ``report`` the reason is printed."""
     try:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            for _ in range(2):
+            for _ in range(warmup):
                 fn()
         torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
         g.replay()
         torch.cuda.synchronize()
         return g
-    except Exception:
+    except Exception as e:
         torch.cuda.synchronize()
+        if report:
+            print(f"  graph capture failed: {type(e).__name__}: {e}", flush=True)
         return None
 
 
@@ -65,7 +68,7 @@ def median_ms(fn: Callable[[], object], warmup: int = 10, rep: int = 50, graph: 
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    g = _capture(fn) if graph else None
+    g = capture(fn) if graph else None
     run = g.replay if g is not None else fn
     _MODES.append("graph" if g is not None else "eager")
     # flush L2 between reps so weights/KV are not served from cache
@@ -103,10 +106,25 @@ def row(op: str, shape: str, ours_ms: float, stock_ms: float, stock: str, **extr
 
 
 def parser(description: str) -> argparse.ArgumentParser:
+    """``--json FILE`` and ``--quick``, the options every micro-benchmark takes."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--json", help="write results to this JSON file")
     p.add_argument("--quick", action="store_true", help="fewer shapes and reps (smoke run)")
     return p
+
+
+def parse(description: str, quick_rep: int = 20, rep: int = 50) -> tuple[argparse.Namespace, int]:
+    """The standard command line (:func:`parser`) parsed, and the timed repetitions per measurement (``quick_rep``
+    with ``--quick``, else ``rep``)."""
+    args = parser(description).parse_args()
+    return args, quick_rep if args.quick else rep
+
+
+def cuda_generator(seed: int = 0) -> torch.Generator:
+    """A CUDA generator seeded with ``seed`` (inputs drawn on the device)."""
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    return g
 
 
 def write(path: str | None, bench: str, rows: list[dict]) -> None:

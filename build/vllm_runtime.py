@@ -367,11 +367,8 @@ def extract_vllm(wheel: Path, site: Path) -> dict:
     stats = {"python_tree_files": 0, "python_tree_bytes": 0, "binaries": {}, "dropped": {}}
     unknown: list[str] = []
     with zipfile.ZipFile(wheel) as zf:
-        for info in zf.infolist():
-            if info.is_dir():
-                continue
+        for info in _members(zf, wheel.name):
             name = info.filename
-            _safe_rel(name, wheel.name)
             with zf.open(info) as f:
                 binary = is_elf(f.read(4))
             if binary:
@@ -401,6 +398,15 @@ def _safe_rel(name: str, where: str) -> None:
         raise BuildError(f"{where}: refusing member {name!r} (absolute or leaving the tree)")
 
 
+def _members(zf: zipfile.ZipFile, where: str):
+    """The file members of an open wheel (directories skipped), each name checked by ``_safe_rel`` first."""
+    for info in zf.infolist():
+        if info.is_dir():
+            continue
+        _safe_rel(info.filename, where)
+        yield info
+
+
 def _extract_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     with zf.open(info) as src, open(dst, "wb") as out:
@@ -417,11 +423,8 @@ def install_wheel(whl: Path, site: Path) -> tuple[int, int]:
     """
     n = size = 0
     with zipfile.ZipFile(whl) as zf:
-        for info in zf.infolist():
-            if info.is_dir():
-                continue
+        for info in _members(zf, whl.name):
             name = info.filename
-            _safe_rel(name, whl.name)
             parts = name.split("/")
             if parts[0].endswith(".data"):
                 if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):

@@ -18,6 +18,7 @@ OUT=${OUT:-$ROOT/results/attention-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 TOTAL=540; STEPS=20; PIECES="1 4 8"; CHECK_PIECES=4
 MORE="tests/test_sparse_attention.py tests/test_attention_triton_split.py tests/test_experimental_attention.py tests/test_attention_slots.py tests/test_vllm_megatron_parity.py tests/test_vllm_custom_ops.py tests/test_vllm_mhc_adapter.py tests/test_vllm_moe_adapter.py tests/test_vllm_dsv4_attention.py tests/test_megatron_moe.py tests/test_kv_cache.py tests/test_fp8_quant.py tests/test_fp8_gemm.py tests/test_bf16_gemm.py"
+source gpu/session-lib.sh
 while [ $# -gt 0 ]; do
   case "$1" in
     --total) TOTAL="$2"; shift ;;
@@ -25,13 +26,12 @@ while [ $# -gt 0 ]; do
     --tests) MORE="$2"; shift ;;
     --pieces) PIECES="$2"; shift ;;
     --check-pieces) CHECK_PIECES="$2"; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
+    *) other_arg "$1" 2,14 ;;
   esac
   shift
 done
 source gpu/gpu-env.sh
-source gpu/session-lib.sh
+session_start
 E="$OUT/e2e"; T="$OUT/tests"
 mkdir -p "$E" "$T"
 note "zerodiff attention session: $(date -u +%Y-%m-%dT%H:%M:%SZ), $NGPU GPU(s), total ${TOTAL}s"

@@ -32,6 +32,7 @@ ROOT=$(pwd)
 OUT=${OUT:-$ROOT/results/e2e-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 TOTAL=470; CONFIG=h200; STEPS=100; SKIP_TESTS=0; MORE_TESTS=""; ALSO=""
+source gpu/session-lib.sh
 while [ $# -gt 0 ]; do
   case "$1" in
     --total) TOTAL="$2"; shift ;;
@@ -40,19 +41,14 @@ while [ $# -gt 0 ]; do
     --skip-tests) SKIP_TESTS=1 ;;
     --tests) MORE_TESTS="$2"; shift ;;
     --also) ALSO="$2"; shift ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
+    *) other_arg "$1" 2,28 ;;
   esac
   shift
 done
 source gpu/gpu-env.sh
 W="$OUT/logs"
 mkdir -p "$W"
-START=$(date +%s)
-SUM="$OUT/summary.txt"
-: >"$SUM"
-note() { echo "$*" | tee -a "$SUM"; }
-elapsed() { echo $(( $(date +%s) - START )); }
+session_start
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -84,7 +80,6 @@ stage() {
   return 0
 }
 
-NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 T_WARM=200
 WARM_CFG=(--config "$CONFIG")
 [ "$SKIP_TESTS" = 1 ] || [ "$CONFIG" = gpu_small ] || WARM_CFG+=(--config gpu_small)

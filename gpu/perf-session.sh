@@ -25,18 +25,18 @@ ROOT=$(pwd)
 OUT=${OUT:-$ROOT/results/perf-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
 TOTAL=560; SKIP_TESTS=0; VARIANTS="bf16x3_s32 tf32_s112_e1 ieee_s112"
+source gpu/session-lib.sh
 while [ $# -gt 0 ]; do
   case "$1" in
     --total) TOTAL="$2"; shift ;;
     --skip-tests) SKIP_TESTS=1 ;;
     --variants) VARIANTS="$2"; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
+    *) other_arg "$1" 2,21 ;;
   esac
   shift
 done
 source gpu/gpu-env.sh
-source gpu/session-lib.sh
+session_start
 S="$OUT/sweeps"; E="$OUT/e2e"; T="$OUT/tests"
 mkdir -p "$S" "$E" "$T"
 note "zerodiff perf session: $(date -u +%Y-%m-%dT%H:%M:%SZ), $NGPU GPU(s), total ${TOTAL}s, mHC variants: $VARIANTS"

@@ -1,12 +1,25 @@
-# Shared by the one-call GPU session scripts (perf-session.sh, attention-session.sh); source it after OUT and TOTAL
-# are set and gpu/gpu-env.sh is sourced. Defines: START, elapsed, left [RESERVE], SUM + note (the summary file),
-# NGPU, and timed SECONDS NAME CMD... (runs CMD under a timeout, logs to NAME.log, writes one summary line).
-START=$(date +%s)
+# Shared by the one-call GPU session scripts (e2e-device.sh, perf-session.sh, attention-session.sh). Source it from
+# the repository root before the option loop; it only defines functions:
+#   other_arg ARG LINES  the option loop's last arm: -h/--help prints the script's header lines LINES (sed range,
+#                        "2,14") and exits 0; any other argument is refused (exit 2)
+#   session_start        once OUT and TOTAL are set and gpu/gpu-env.sh is sourced: START, SUM (the summary file,
+#                        emptied) and NGPU
+#   elapsed, left [RESERVE], note (echo and append to SUM), and timed SECONDS NAME CMD... (runs CMD under a
+#   timeout, logs to NAME.log, writes one summary line).
+other_arg() {
+  case "$1" in
+    -h|--help) sed -n "${2}p" "$0"; exit 0 ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+}
+session_start() {
+  START=$(date +%s)
+  SUM="$OUT/summary.txt"; : >"$SUM"
+  NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+}
 elapsed() { echo $(( $(date +%s) - START )); }
 left() { echo $(( TOTAL - $(elapsed) - ${1:-0} )); }
-SUM="$OUT/summary.txt"; : >"$SUM"
 note() { echo "$*" | tee -a "$SUM"; }
-NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 timed() {
   local t=$1 name=$2; shift 2
   [ "$t" -lt 20 ] && { note "   $name: skipped (${t}s left)"; return 0; }

@@ -1,5 +1,5 @@
 """Inputs shared by the sparse attention tests: small-dims paged FP8 caches with per-request block tables, causal
-index lists, the split kernel's adversarial rows, and the model-shape GPU setup."""
+index lists, the split kernel's adversarial rows, and the model-shape GPU setup (with prefill rows' index lists)."""
 
 import pytest
 import torch
@@ -29,11 +29,11 @@ def causal_positions(g, L, W, *, start=0):
     return pos
 
 
-def small_cache(g, lens, dims, bs=8, nb=None):
-    d_nope, d_rope = dims["d_nope"], dims["d_rope"]
+def paged_layout(g, lens, bs, nb):
+    """Per-request block tables over ``nb`` shuffled blocks of ``bs`` slots (-1 past a request's last block) and the
+    cache slot of every token, requests one after another."""
     B = len(lens)
     max_blocks = max((L + bs - 1) // bs for L in lens)
-    nb = nb or sum((L + bs - 1) // bs for L in lens) + 3
     perm = torch.randperm(nb, generator=g).to(torch.int32)
     bt = torch.full((B, max_blocks), -1, dtype=torch.int32)
     used, slots = 0, []
@@ -42,6 +42,13 @@ def small_cache(g, lens, dims, bs=8, nb=None):
         bt[b, :n] = perm[used : used + n]
         used += n
         slots += [int(bt[b, p // bs]) * bs + p % bs for p in range(L)]
+    return bt, slots
+
+
+def small_cache(g, lens, dims, bs=8, nb=None):
+    d_nope, d_rope = dims["d_nope"], dims["d_rope"]
+    nb = nb or sum((L + bs - 1) // bs for L in lens) + 3
+    bt, slots = paged_layout(g, lens, bs, nb)
     T = len(slots)
     x = (torch.randn(T, d_nope, generator=g) * 2).to(torch.bfloat16)
     rope = torch.randn(T, d_rope, generator=g).to(torch.bfloat16)
@@ -82,6 +89,15 @@ def gpu_setup(B, ctx, topk=GPU_TOPK, seed=0, bs=64):
     pos = pos.to(torch.int32).to(dev)
     q = (torch.randn(B, GPU_H, 576, generator=g) * 0.5).to(torch.bfloat16).to(dev)
     return cache, bt, pos, q
+
+
+def prefill_positions(base, ctx, T):
+    """The index lists of the last ``T`` tokens of one ``ctx``-token request as prefill rows, from ``base`` (the last
+    token's list, width GPU_TOPK, descending): row t drops the positions past its own token and keeps the order."""
+    lim = ctx - T + torch.arange(T, device=base.device)
+    skip = (base[None, :] > lim[:, None]).sum(1)
+    j = torch.arange(GPU_TOPK, device=base.device)[None, :] + skip[:, None]
+    return torch.where(j < GPU_TOPK, base[j.clamp(max=GPU_TOPK - 1)], torch.full_like(j, -1)).to(torch.int32)
 
 
 def need_flashmla():

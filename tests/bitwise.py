@@ -12,11 +12,13 @@
   row of the batched output equals that victim's output computed alone.
 * :func:`victim_runs` - the ``(label, row)`` pairs the single-victim checks take, from a batch runner;
   :func:`placed_rows` - the ``(alone, label, row)`` triples of one batched output holding several victims.
+* :func:`victim_batches` - the batches of a several-victims sweep: per round and batch size, a filler batch with
+  victim ``j`` written at the ``j``-th of the first, middle and last rows (for :func:`assert_victims_in_batch`).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 
@@ -84,3 +86,28 @@ def assert_victims_in_batch(out: torch.Tensor, alone: Sequence[torch.Tensor], po
     assert rows, "no victim placed: the claim was not tested"
     for a, lab, row in rows:
         assert_victim_in_batch(a, [(lab, row)])
+
+
+def spread_positions(m: int) -> list[int]:
+    """The first, middle and last row of an ``m``-row batch (fewer when they coincide)."""
+    return sorted({0, m // 2, m - 1})
+
+
+def victim_batches(victims: torch.Tensor, sizes: Iterable[int],
+                   fill: Union[torch.Tensor, Callable[[int, int], torch.Tensor]],
+                   rounds: int = 2) -> Iterator[tuple[int, int, list[int], torch.Tensor]]:
+    """For each round and each batch size ``m`` in ``sizes``: ``(round, m, positions, batch)`` where ``batch`` is the
+    filler with ``victims[j]`` written at ``positions[j]`` (:func:`spread_positions`). ``fill`` is either a callable
+    ``fill(m, round) -> fresh m-row batch`` or a pool tensor (round 0 takes its first ``m`` rows, later rounds the
+    same rows in reverse order)."""
+    sizes = tuple(sizes)
+    for rnd in range(rounds):
+        for m in sizes:
+            pos = spread_positions(m)
+            if callable(fill):
+                b = fill(m, rnd)
+            else:
+                b = fill[:m].clone() if rnd == 0 else fill[:m].flip(0).clone()
+            for j, p in enumerate(pos):
+                b[p] = victims[j]
+            yield rnd, m, pos, b

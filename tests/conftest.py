@@ -9,6 +9,8 @@
   output row): a row's bits depend on that row and the other operand only, on every CPU. The GPU runs the
   real ``tl.dot``; interpreter bits are never GPU bits (tests compare them to references with tolerances).
 * ``@pytest.mark.gpu`` tests run only where CUDA is present and are skipped otherwise.
+* ``one_thread``: one intra-op thread for the test, restored after it (the end-to-end files use it for every
+  test: ``pytestmark = pytest.mark.usefixtures("one_thread")``).
 """
 
 import os
@@ -83,6 +85,15 @@ def seeded():
         return g
 
     return make
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op torch thread during the test; the previous count is restored after it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 #: the pinned megatron-core source tree (`make sources apply`)

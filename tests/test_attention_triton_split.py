@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from attention_inputs import GPU_H, GPU_TOPK, SMALL, SPLIT, gpu_setup, same_bits, split_inputs
+from attention_inputs import GPU_H, SMALL, SPLIT, gpu_setup, prefill_positions, same_bits, split_inputs
 from bitwise import bits
 
 from zerodiff.experimental import attention_variants as av
@@ -187,11 +187,7 @@ def test_gpu_split_prefill_rows_equal_decode_rows_repeated():
     this claim, is test_gpu_stock_fp8_decode_reads_our_cache_and_is_batch_dependent)."""
     cache, bt, pos, q = gpu_setup(1, 8192, seed=13)
     T = 1024
-    base = pos[0]
-    lim = 8192 - T + torch.arange(T, device="cuda")
-    skip = (base[None, :] > lim[:, None]).sum(1)
-    j = torch.arange(GPU_TOPK, device="cuda")[None, :] + skip[:, None]
-    pp = torch.where(j < GPU_TOPK, base[j.clamp(max=GPU_TOPK - 1)], torch.full_like(j, -1)).to(torch.int32)
+    pp = prefill_positions(pos[0], 8192, T)
     qq = (torch.randn(T, GPU_H, 576, device="cuda") * 0.5).to(torch.bfloat16)
     req = torch.zeros(T, dtype=torch.int32, device="cuda")
     sc = 1 / math.sqrt(576)

@@ -12,6 +12,7 @@ import types
 import pytest
 import torch
 
+from e2e_helpers import cli_json
 from zerodiff import bench_tools as bt
 from zerodiff import e2e_cli
 from zerodiff.model.config import preset
@@ -71,11 +72,8 @@ def test_cli_refuses_impossible_concurrency(capsys):
 
 
 def test_check_at_max_batch_8_keeps_diff_zero(tmp_path):
-    out = tmp_path / "c.json"
-    rc = e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--max-batch", "8,8", "--quiet",
-                       "--json", str(out)])
+    rc, doc = cli_json(tmp_path / "c.json", "check", "--config", "cpu", "--steps", "1", "--max-batch", "8,8", "--quiet")
     assert rc == 0
-    doc = json.loads(out.read_text())
     rep = doc["reports"][0]
     assert rep["bitwise_equal"] and rep["training/rollout_probs_diff_max"] == 0.0
     assert max(rep["batch_sizes"]) == 8  # the concurrency was reached
@@ -152,11 +150,9 @@ def test_bench_fails_when_something_compiles_during_timing(tmp_path, monkeypatch
         return orig(self, step, record=record)
 
     monkeypatch.setattr(loop.RLRun, "rollout", planted)
-    out = tmp_path / "b.json"
-    rc = e2e_cli.main(["bench", *SMALL, "--steps", "1", "--profile-steps", "0", "--watch-cache-dir", str(cache),
-                       "--json", str(out)])
+    rc, doc = cli_json(tmp_path / "b.json", "bench", *SMALL, "--steps", "1", "--profile-steps", "0",
+                       "--watch-cache-dir", str(cache))
     assert rc == 1
-    doc = json.loads(out.read_text())
     assert doc["passed"] is False
     kinds = {e["kind"] for e in doc["compiled_during_timing"]}
     assert "triton_compile" in kinds and any(k.startswith("new extra") for k in kinds)
@@ -274,11 +270,9 @@ def test_breakdown_device_path_attributes_kernels_to_ops():
 
 # ---- the bench JSON ---------------------------------------------------------------------------------------------
 def test_bench_json_keys_and_profile(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    rc = e2e_cli.main(["bench", *SMALL, "--steps", "2", "--profile-steps", "1", "--json", str(out),
-                       "--png", str(tmp_path / "b.png")])
+    rc, doc = cli_json(tmp_path / "bench.json", "bench", *SMALL, "--steps", "2", "--profile-steps", "1",
+                       "--png", str(tmp_path / "b.png"))
     assert rc == 0
-    doc = json.loads(out.read_text())
     for k in ("rows", "ratio", "ratio_ci95", "ratio_min", "ratio_max", "compiled_during_timing", "jit_detector",
               "warmup", "profile", "rollout_settings", "baseline_vs_vllm", "timing", "forward_device_measure",
               "passed", "baseline_choice"):
@@ -372,9 +366,8 @@ def test_split_rows_and_vs_vllm():
 
 def test_bench_time_budget_stops_and_skips_the_profiler(tmp_path, monkeypatch):
     monkeypatch.setattr(e2e_cli, "_over_budget", lambda args, t0, last_s: True)
-    out = tmp_path / "b.json"
-    assert e2e_cli.main(["bench", *SMALL, "--steps", "5", "--time-budget", "1", "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
+    rc, doc = cli_json(tmp_path / "b.json", "bench", *SMALL, "--steps", "5", "--time-budget", "1")
+    assert rc == 0
     assert doc["steps_run"] == 1 and doc["stopped_by_time_budget"] and "skipped" in doc["profile"]
 
 

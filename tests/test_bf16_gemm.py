@@ -5,12 +5,10 @@ import inspect
 import pytest
 import torch
 
-from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victims_in_batch
+from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victims_in_batch, victim_batches
+from gpu_inputs import CPU_MS, GPU_MS
 from zerodiff.ops.bf16_gemm import bf16_gemm, gemm_config
 from zerodiff.reference.bf16_gemm import bf16_gemm_ref
-
-CPU_MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65)
-GPU_MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 1000, 4096)
 
 
 def _xw(g, M, N, K):
@@ -48,14 +46,10 @@ def test_victim_in_batch(seeded):
     _, w = _xw(g, 1, N, K)
     v = torch.randn(3, K, generator=g).to(torch.bfloat16)
     alone = [bf16_gemm(v[i : i + 1], w, out_dtype=torch.float32, backend="triton") for i in range(3)]
-    for rnd in range(2):
-        for M in CPU_MS:
-            pos = sorted({0, M // 2, M - 1})
-            b = (torch.randn(M, K, generator=g) * (1 + rnd)).to(torch.bfloat16)
-            for j, p in enumerate(pos):
-                b[p] = v[j]
-            o = bf16_gemm(b, w, out_dtype=torch.float32, backend="triton")
-            assert_victims_in_batch(o, alone, pos, f"round {rnd}")
+    fill = lambda M, rnd: (torch.randn(M, K, generator=g) * (1 + rnd)).to(torch.bfloat16)  # noqa: E731
+    for rnd, _, pos, b in victim_batches(v, CPU_MS, fill):
+        o = bf16_gemm(b, w, out_dtype=torch.float32, backend="triton")
+        assert_victims_in_batch(o, alone, pos, f"round {rnd}")
 
 
 def test_bad_inputs():
@@ -92,14 +86,8 @@ def test_gpu_victim_in_batch(NK):
     pool = torch.randn(max(Ms) + 3, K, generator=g, device="cuda").to(torch.bfloat16)
     v = pool[-3:]
     alone = [bf16_gemm(v[i : i + 1], w) for i in range(3)]
-    for rnd in range(2):
-        for M in Ms:
-            pos = sorted({0, M // 2, M - 1})
-            b = pool[:M].clone() if rnd == 0 else pool[:M].flip(0).clone()
-            for j, p in enumerate(pos):
-                b[p] = v[j]
-            o = bf16_gemm(b, w)
-            assert_victims_in_batch(o, alone, pos, f"N, K = {NK}, round {rnd}")
+    for rnd, _, pos, b in victim_batches(v, Ms, pool):
+        assert_victims_in_batch(bf16_gemm(b, w), alone, pos, f"N, K = {NK}, round {rnd}")
     r = bf16_gemm_ref(pool[:8], w, torch.float32)
     assert torch.allclose(bf16_gemm(pool[:8], w, out_dtype=torch.float32), r, rtol=1e-4, atol=1e-4)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bitwise import (assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch, assert_victims_in_batch,
-                     bits, placed_rows, victim_runs)
+                     bits, placed_rows, spread_positions, victim_batches, victim_runs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
@@ -79,3 +79,26 @@ def test_several_victims_in_one_batch():
         assert_victims_in_batch(rowwise(b), alone, [])
     with pytest.raises(AssertionError, match="4 positions for 3 victims"):
         assert_victims_in_batch(rowwise(b), alone, [0, 1, 2, 3])
+
+
+def test_victim_batches_place_every_victim_in_fresh_or_pool_batches():
+    v = torch.tensor([[-1.0, -1.0], [-2.0, -2.0], [-3.0, -3.0]])
+    assert [spread_positions(m) for m in (1, 2, 3, 9)] == [[0], [0, 1], [0, 1, 2], [0, 4, 8]]
+    calls = []
+
+    def fresh(m, rnd):
+        calls.append((m, rnd))
+        return torch.full((m, 2), float(rnd))
+
+    seen = []
+    for rnd, m, pos, b in victim_batches(v, (1, 5), fresh, rounds=2):
+        seen.append((rnd, m, pos))
+        assert b.shape == (m, 2) and all(torch.equal(b[p], v[j]) for j, p in enumerate(pos))
+        others = [i for i in range(m) if i not in pos]
+        assert all(torch.equal(b[i], torch.full((2,), float(rnd))) for i in others)
+    assert seen == [(0, 1, [0]), (0, 5, [0, 2, 4]), (1, 1, [0]), (1, 5, [0, 2, 4])] and calls == [(1, 0), (5, 0),
+                                                                                                 (1, 1), (5, 1)]
+    pool = torch.arange(12.0).reshape(6, 2)
+    (_, _, _, b0), (_, _, _, b1) = victim_batches(v, (4,), pool, rounds=2)
+    assert torch.equal(b0[1], pool[1]) and torch.equal(b1[1], pool[2])  # round 1: the pool rows reversed
+    assert torch.equal(b0[0], v[0]) and torch.equal(b1[3], v[2]) and torch.equal(pool[0], torch.tensor([0.0, 1.0]))

@@ -14,26 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import types
 
 import pytest
 import torch
 
-from bitwise import assert_bitwise_equal
+from e2e_helpers import assert_graph_equals_eager, graph_and_eager, make_requests
 from zerodiff.model.config import CPU
 from zerodiff.model.ops import make_ops
 from zerodiff.model.weights import Deployment, init_masters
-from zerodiff.rollout.engine import Request, RolloutEngine
+from zerodiff.rollout.engine import RolloutEngine
 from zerodiff.rollout.graphs import GUARD_ROOTS, HostSyncError, host_sync_guard
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run_as(filename, src, env):
@@ -200,13 +194,7 @@ def cuda_branches(monkeypatch):
 
 
 def _requests(seed, n, vocab, plen=(8, 24), rlen=(4, 10)):
-    rng = random.Random(seed)
-    return [Request(2000 + i, [rng.randrange(vocab) for _ in range(rng.randint(*plen))], rng.randint(*rlen))
-            for i in range(n)]
-
-
-def _clone(reqs):
-    return [Request(r.rid, list(r.prompt), r.max_new) for r in reqs]
+    return make_requests(seed, n, vocab, plen, rlen, first_rid=2000)
 
 
 @pytest.mark.parametrize("mode", ["consistent", "baseline"])
@@ -214,18 +202,11 @@ def test_emulated_captured_decode_step_has_no_host_sync(cuda_branches, mode):
     cfg = CPU.model
     masters = init_masters(cfg, 3)
     reqs = _requests(5, 6, cfg.vocab)
-    res = {}
-    for g in ("emulate", False):
-        eng = RolloutEngine(CPU, Deployment(masters), make_ops(mode, "rollout", cfg), sample_seed=4, use_graphs=g)
-        if g:
-            eng.graphs.guard = True  # any host<->device traffic / sync from the harness raises HostSyncError
-        res[g] = eng.generate(_clone(reqs), 6)
-        if g:
-            assert eng.stats["graph_steps"] > 0 and eng.graphs.disabled is None
+    # guard: any host<->device traffic / sync from the harness raises HostSyncError
+    res, eng = graph_and_eager(CPU, masters, mode, reqs, 6, sample_seed=4, guard=True)
+    assert eng.stats["graph_steps"] > 0 and eng.graphs.disabled is None
     if mode == "consistent":  # graph == eager (masked MoE layout in the graph, contiguous eager)
-        for r in reqs:
-            assert res["emulate"][r.rid].response == res[False][r.rid].response
-            assert_bitwise_equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs, f"request {r.rid}")
+        assert_graph_equals_eager(res, reqs)
     else:  # the baseline's CUDA wiring really ran (fakes), in both layouts and both attention kernels
         c = cuda_branches
         assert c.dg.calls["fp8_gemm_nt"] > 0 and c.dg.calls["masked"] > 0 and c.dg.calls["contiguous"] > 0
@@ -287,16 +268,9 @@ def test_cuda_wiring_at_the_flashmla_per_head_shapes(cuda_branches, monkeypatch)
     masters = init_masters(mc, 3)
     reqs = _requests(5, 4, mc.vocab, plen=(8, 20), rlen=(3, 6))
     for mode in ("consistent", "baseline"):
-        res = {}
-        for g in ("emulate", False):
-            eng = RolloutEngine(p, Deployment(masters), make_ops(mode, "rollout", mc), sample_seed=4, use_graphs=g)
-            if g:
-                eng.graphs.guard = True
-            res[g] = eng.generate(_clone(reqs), 6)
-            if g:
-                assert eng.stats["graph_steps"] > 0 and eng.graphs.disabled is None
+        res, eng = graph_and_eager(p, masters, mode, reqs, 6, sample_seed=4, guard=True)
+        assert eng.stats["graph_steps"] > 0 and eng.graphs.disabled is None
         if mode == "consistent":
-            for r in reqs:
-                assert_bitwise_equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs, f"request {r.rid}")
+            assert_graph_equals_eager(res, reqs, responses=False)
     assert fm.calls["decode"] > 0 and fm.calls["sparse_fwd"] > 0
     assert not any("rejected" in v for v in bc.CHOICES.values()), bc.CHOICES

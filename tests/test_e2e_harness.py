@@ -12,33 +12,19 @@ import pytest
 import torch
 
 from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch, first_difference
+from e2e_helpers import assert_graph_equals_eager, clone_requests, graph_and_eager, make_requests
 from zerodiff.model.config import CPU
 from zerodiff.model.ops import ConsistentOps, WeightVersionError, make_ops
 from zerodiff.model.weights import Deployment, init_masters
 from zerodiff.rl.loop import DiffError, RLRun
-from zerodiff.rollout.engine import Request, RolloutEngine
+from zerodiff.rollout.engine import RolloutEngine
 from zerodiff.training.forward import TrainingForward
 
 # a lighter variant of the CPU preset for the multi-step tests (same model, fewer prompts per step)
 SMALL = CPU.replace(rollout=dataclasses.replace(CPU.rollout, prompts_per_step=4))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def _requests(seed, n, vocab, plen=(8, 24), rlen=(8, 16)):
-    rng = random.Random(seed)
-    return [Request(1000 + i, [rng.randrange(vocab) for _ in range(rng.randint(*plen))], rng.randint(*rlen))
-            for i in range(n)]
-
-
-def _clone(reqs):
-    return [Request(r.rid, list(r.prompt), r.max_new) for r in reqs]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_consistent_diff_zero_over_steps_with_varied_batches():
@@ -69,13 +55,13 @@ def _engine(ops_mode, masters, preset=CPU, **rc):
 def test_engine_victim_in_batch_and_schedule_invariance():
     cfg = CPU.model
     masters = init_masters(cfg, 3)
-    reqs = _requests(1, 10, cfg.vocab)
+    reqs = make_requests(1, 10, cfg.vocab)
     victim = reqs[4]
-    alone = _engine("consistent", masters, token_budget=(7, 7), max_batch=(1, 1)).generate(_clone([victim]), 0)
+    alone = _engine("consistent", masters, token_budget=(7, 7), max_batch=(1, 1)).generate(clone_requests([victim]), 0)
     outs = []
     for sched, budget, mb in [(1, (24, 96), (3, 12)), (2, (5, 40), (1, 10)), (3, (64, 128), (8, 10))]:
         eng = _engine("consistent", masters, token_budget=budget, max_batch=mb)
-        outs.append(eng.generate(_clone(reqs), sched))
+        outs.append(eng.generate(clone_requests(reqs), sched))
         assert eng.stats["mixed_steps"] > 0
     for i, out in enumerate(outs):
         assert_victim_in_batch(alone[victim.rid].logprobs, [(f"in schedule {i + 1}", out[victim.rid].logprobs)])
@@ -84,8 +70,8 @@ def test_engine_victim_in_batch_and_schedule_invariance():
             assert out[r.rid].response == outs[0][r.rid].response
             assert_bitwise_equal(out[r.rid].logprobs, outs[0][r.rid].logprobs, f"request {r.rid}, schedule {i + 1}")
     # negative control: the stock inference path gives the victim different log-probs in a batch
-    b_alone = _engine("baseline", masters, token_budget=(7, 7), max_batch=(1, 1)).generate(_clone([victim]), 0)
-    b_batch = _engine("baseline", masters, token_budget=(64, 128), max_batch=(8, 10)).generate(_clone(reqs), 3)
+    b_alone = _engine("baseline", masters, token_budget=(7, 7), max_batch=(1, 1)).generate(clone_requests([victim]), 0)
+    b_batch = _engine("baseline", masters, token_budget=(64, 128), max_batch=(8, 10)).generate(clone_requests(reqs), 3)
     n = min(len(b_alone[victim.rid].response), len(b_batch[victim.rid].response))
     assert_batch_dependent(b_alone[victim.rid].logprobs[:n], [("in schedule 3", b_batch[victim.rid].logprobs[:n])],
                            "stock inference path")
@@ -94,8 +80,8 @@ def test_engine_victim_in_batch_and_schedule_invariance():
 def test_training_packing_differs_but_logprobs_match_rollout():
     cfg = CPU.model
     masters = init_masters(cfg, 4)
-    reqs = _requests(2, 8, cfg.vocab)
-    out = _engine("consistent", masters).generate(_clone(reqs), 9)
+    reqs = make_requests(2, 8, cfg.vocab)
+    out = _engine("consistent", masters).generate(clone_requests(reqs), 9)
     seqs = [(k, o.prompt, o.response) for k, o in sorted(out.items())]
     for micro, seed in [(40, 1), (160, 2), (1000, 3)]:
         p = CPU.replace(train=dataclasses.replace(CPU.train, micro_tokens=micro))
@@ -108,8 +94,8 @@ def test_training_packing_differs_but_logprobs_match_rollout():
 def test_weight_version_check_raises_in_backward():
     cfg = CPU.model
     masters = init_masters(cfg, 5)
-    reqs = _requests(3, 2, cfg.vocab, rlen=(3, 4))
-    out = _engine("consistent", masters).generate(_clone(reqs), 1)
+    reqs = make_requests(3, 2, cfg.vocab, rlen=(3, 4))
+    out = _engine("consistent", masters).generate(clone_requests(reqs), 1)
     seqs = [(k, o.prompt, o.response) for k, o in out.items()]
     tf = TrainingForward(CPU, masters, Deployment(masters), ConsistentOps(cfg))
 
@@ -217,17 +203,11 @@ def test_graph_decode_path_emulated_on_cpu_equals_eager(mode):
     depends on the padded batch size, so there it may differ (not asserted)."""
     cfg = CPU.model
     masters = init_masters(cfg, 8)
-    reqs = _requests(6, 9, cfg.vocab)
-    res = {}
-    for g in ("emulate", False):
-        eng = RolloutEngine(CPU, Deployment(masters), make_ops(mode, "rollout", cfg), sample_seed=2, use_graphs=g)
-        res[g] = eng.generate(_clone(reqs), 4)
-        if g:
-            assert eng.stats["graph_steps"] > 0
+    reqs = make_requests(6, 9, cfg.vocab)
+    res, eng = graph_and_eager(CPU, masters, mode, reqs, 4, sample_seed=2)
+    assert eng.stats["graph_steps"] > 0
     if mode == "consistent":
-        for r in reqs:
-            assert res["emulate"][r.rid].response == res[False][r.rid].response
-            assert_bitwise_equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs, f"request {r.rid}")
+        assert_graph_equals_eager(res, reqs)
 
 
 def test_forward_victim_decode_at_dispatch_boundaries():
@@ -296,13 +276,9 @@ def test_cuda_dispatch_branch_runs_on_cpu_through_team_references(monkeypatch):
     # the baseline's CUDA branches need DeepGEMM / FlashMLA: tests/test_e2e_graphsafe.py runs them against fakes
     cfg = CPU.model
     masters = init_masters(cfg, 1)
-    reqs = _requests(0, 6, cfg.vocab, rlen=(4, 10))
-    res = {}
-    for g in ("emulate", False):
-        eng = RolloutEngine(CPU, Deployment(masters), make_ops("consistent", "rollout", cfg), sample_seed=1, use_graphs=g)
-        res[g] = eng.generate(_clone(reqs), 3)
-    for r in reqs:
-        assert_bitwise_equal(res["emulate"][r.rid].logprobs, res[False][r.rid].logprobs, f"request {r.rid}")
+    reqs = make_requests(0, 6, cfg.vocab, rlen=(4, 10))
+    res, _ = graph_and_eager(CPU, masters, "consistent", reqs, 3, sample_seed=1)
+    assert_graph_equals_eager(res, reqs, responses=False)
 
 
 def test_checkpointed_attention_graph_gives_the_same_gradients(monkeypatch):

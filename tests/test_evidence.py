@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
+from e2e_helpers import cli_json
 from zerodiff import e2e_cli
 from zerodiff.model import ops as zops
 from zerodiff.model.weights import param_shapes
@@ -18,20 +18,13 @@ from zerodiff.rl.loop import RLRun
 from zerodiff.training.forward import pack
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- negative control -------------------------------------------------------------------------------------------
 def test_check_baseline_runs_the_same_stock_ops_on_both_sides(tmp_path):
-    out = tmp_path / "base.json"
-    rc = e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--baseline", "--quiet", "--json", str(out)])
+    rc, doc = cli_json(tmp_path / "base.json", "check", "--config", "cpu", "--steps", "1", "--baseline", "--quiet")
     assert rc == 0
-    doc = json.loads(out.read_text())
     assert doc["ops"] == {"rollout": "BaselineRolloutOps", "train": "BaselineRolloutOps"}
     (probe,) = doc["control_probe"]
     assert probe["weights_bitwise_equal"] and probe["same_inputs"]["equal"]  # no precision / weight confound
@@ -50,30 +43,25 @@ def test_the_probe_separates_the_control_from_the_mixed_pairing():
 
 def test_check_baseline_fails_closed_when_the_sides_are_confounded(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(zops.MODES, "baseline", (zops.BaselineRolloutOps, zops.BaselineTrainOps))
-    out = tmp_path / "conf.json"
-    rc = e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--baseline", "--quiet", "--json", str(out)])
+    rc, doc = cli_json(tmp_path / "conf.json", "check", "--config", "cpu", "--steps", "1", "--baseline", "--quiet")
     assert rc == 1 and "CONFOUNDED" in capsys.readouterr().out
-    assert not json.loads(out.read_text())["passed"]
+    assert not doc["passed"]
 
 
 # ---- seeds and packing ------------------------------------------------------------------------------------------
 def test_check_several_seeds(tmp_path):
-    out = tmp_path / "seeds.json"
-    rc = e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--seeds", "2", "--seed", "4", "--quiet",
-                       "--json", str(out)])
+    rc, doc = cli_json(tmp_path / "seeds.json", "check", "--config", "cpu", "--steps", "1", "--seeds", "2",
+                       "--seed", "4", "--quiet")
     assert rc == 0
-    doc = json.loads(out.read_text())
     assert doc["seeds"] == [4, 5] and [s["seed"] for s in doc["per_seed"]] == [4, 5]
     assert [r["seed"] for r in doc["reports"]] == [4, 5] and all(r["bitwise_equal"] for r in doc["reports"])
     assert all(s["steps_diff_zero"] == 1 and s["tokens"] > 0 for s in doc["per_seed"])
 
 
 def test_check_train_packing_all_sequences_in_one_micro_batch(tmp_path):
-    out = tmp_path / "pack.json"
-    rc = e2e_cli.main(["check", "--config", "cpu", "--steps", "1", "--train-packing", "all", "--quiet",
-                       "--json", str(out)])
+    rc, doc = cli_json(tmp_path / "pack.json", "check", "--config", "cpu", "--steps", "1", "--train-packing", "all",
+                       "--quiet")
     assert rc == 0
-    doc = json.loads(out.read_text())
     (rep,) = doc["reports"]
     assert doc["train_packing"]["mode"] == "all" and rep["bitwise_equal"]
     n_seqs = 8 * 2  # prompts_per_step x responses_per_prompt of the cpu preset
@@ -133,13 +121,10 @@ def test_locate_reports_exactly_a_monkeypatched_op():
 
 def test_locate_cli_plant_and_baseline(tmp_path, capsys):
     out = tmp_path / "plant.json"
-    rc = e2e_cli.main(["locate", "--config", "cpu", "--plant-divergence", "layers.0.attn_hc_pre:comb",
-                       "--json", str(out)])
-    doc = json.loads(out.read_text())
+    rc, doc = cli_json(out, "locate", "--config", "cpu", "--plant-divergence", "layers.0.attn_hc_pre:comb")
     assert rc == 0 and doc["planted_found"] and doc["divergence"]["op"] == "layers.0.attn_hc_pre:comb"
     assert json.loads(capsys.readouterr().out)["divergence"]["op"] == "layers.0.attn_hc_pre:comb"  # JSON on stdout
-    rc = e2e_cli.main(["locate", "--config", "cpu", "--baseline", "--prompts", "4", "--json", str(out)])
-    doc = json.loads(out.read_text())
+    rc, doc = cli_json(out, "locate", "--config", "cpu", "--baseline", "--prompts", "4")
     assert rc == 1 and doc["mode"] == "baseline" and doc["divergence"]["op"] in doc["op_names"]
     assert doc["divergence"]["ops_before_equal"] == doc["op_names"].index(doc["divergence"]["op"])
     assert e2e_cli.main(["locate", "--config", "cpu", "--plant-divergence", "no.such.op"]) == 2

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from attention_inputs import GPU_H, GPU_TOPK, SMALL, SPLIT, causal_positions, gpu_setup, same_bits, small_cache
-from attention_inputs import split_inputs
+from attention_inputs import GPU_H, SMALL, SPLIT, causal_positions, gpu_setup, same_bits, small_cache
+from attention_inputs import prefill_positions, split_inputs
 from bitwise import bits
 
 from zerodiff._triton import INTERPRET
@@ -225,11 +225,7 @@ def test_gpu_split_variant_invariance_andbits(variant):
                 assert torch.equal(o[where], alone[0][0]) and torch.equal(l[where], alone[1][0]), (victim, nb, where)
     # prefill rows of one request == the same rows as decode rows == a shuffled batch of them
     T = 256
-    base_pos = pos[0]
-    lim = 4096 - T + torch.arange(T, device="cuda")
-    skip = (base_pos[None, :] > lim[:, None]).sum(1)
-    j = torch.arange(GPU_TOPK, device="cuda")[None, :] + skip[:, None]
-    pp = torch.where(j < GPU_TOPK, base_pos[j.clamp(max=GPU_TOPK - 1)], torch.full_like(j, -1)).to(torch.int32)
+    pp = prefill_positions(pos[0], 4096, T)
     qq = (torch.randn(T, GPU_H, 576, device="cuda") * 0.5).to(torch.bfloat16)
     r0 = torch.zeros(T, dtype=torch.int32, device="cuda")
     pre = variant_read(qq, cache, bt, r0, pp, sc, **kw)

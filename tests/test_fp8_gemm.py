@@ -3,14 +3,12 @@
 import pytest
 import torch
 
-from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victims_in_batch
+from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victims_in_batch, victim_batches
+from gpu_inputs import CPU_MS, GPU_MS
 from zerodiff import backends
 from zerodiff.ops import fp8_gemm as fg
 from zerodiff.ops.fp8_quant import Fp8Weight, quant_act
 from zerodiff.reference.fp8_gemm import fp8_gemm_ref, fp8_linear_ref
-
-CPU_MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65)
-GPU_MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 1000, 4096)
 
 
 def _operands(g, M, N, K, device="cpu"):
@@ -55,14 +53,9 @@ def test_victim_in_batch(seeded):
     pool = (torch.randn(70, K, generator=g) * 3).to(torch.bfloat16)
     victims = pool[:3]
     alone = [fg.fp8_linear(victims[i : i + 1], fw, backend="triton") for i in range(3)]
-    for rnd in range(2):
-        for M in CPU_MS:
-            pos = sorted({0, M // 2, M - 1})
-            fill = (torch.randn(M, K, generator=g) * (1 + rnd)).to(torch.bfloat16)
-            for j, p in enumerate(pos):
-                fill[p] = victims[j]
-            o = fg.fp8_linear(fill, fw, backend="triton")
-            assert_victims_in_batch(o, alone, pos, f"round {rnd}")
+    fill = lambda M, rnd: (torch.randn(M, K, generator=g) * (1 + rnd)).to(torch.bfloat16)  # noqa: E731
+    for rnd, _, pos, b in victim_batches(victims, CPU_MS, fill):
+        assert_victims_in_batch(fg.fp8_linear(b, fw, backend="triton"), alone, pos, f"round {rnd}")
 
 
 def test_grouped_rows_equal_dense(seeded):
@@ -139,14 +132,8 @@ def _victims_check(fn, pool, label):
     n = pool.shape[0] - 3
     victims = pool[n:]
     alone = [fn(victims[i : i + 1]) for i in range(3)]
-    for rnd in range(2):
-        for M in GPU_MS:
-            pos = sorted({0, M // 2, M - 1})
-            b = pool[:M].clone() if rnd == 0 else pool[:M].flip(0).clone()
-            for j, p in enumerate(pos):
-                b[p] = victims[j]
-            o = fn(b)
-            assert_victims_in_batch(o, alone, pos, f"{label}, round {rnd}")
+    for rnd, _, pos, b in victim_batches(victims, GPU_MS, pool):
+        assert_victims_in_batch(fn(b), alone, pos, f"{label}, round {rnd}")
 
 
 @pytest.mark.gpu

@@ -13,12 +13,7 @@ from zerodiff.model.weights import is_trainable
 from zerodiff.training.gradcheck import RECORDED_CPU, recorded_recipe, tight_bounds, tight_gradient_check
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_tight_gradcheck_every_tensor_within_its_recorded_bound():

@@ -106,8 +106,9 @@ def test_the_cycle_finder_finds_a_planted_circle():
 ATTENTION = "zerodiff.ops.attention"
 
 
-def _reaches(graph: dict[str, set[str]], root: str, target: str) -> list[str] | None:
-    """One shortest import chain from ``root`` to ``target`` (breadth first), or None."""
+def _chain_to(graph: dict[str, set[str]], root: str, hit) -> list[str] | None:
+    """One shortest import chain from ``root`` to the first module ``w`` (breadth first, imports in sorted order)
+    with ``hit(w)``, or None."""
     parent = {root: None}
     queue = [root]
     while queue:
@@ -117,7 +118,7 @@ def _reaches(graph: dict[str, set[str]], root: str, target: str) -> list[str] | 
                 if w in parent:
                     continue
                 parent[w] = v
-                if w == target:
+                if hit(w):
                     chain = [w]
                     while parent[chain[-1]] is not None:
                         chain.append(parent[chain[-1]])
@@ -125,6 +126,11 @@ def _reaches(graph: dict[str, set[str]], root: str, target: str) -> list[str] | 
                 nxt.append(w)
         queue = nxt
     return None
+
+
+def _reaches(graph: dict[str, set[str]], root: str, target: str) -> list[str] | None:
+    """One shortest import chain from ``root`` to ``target`` (breadth first), or None."""
+    return _chain_to(graph, root, lambda w: w == target)
 
 
 def backends_reaching_the_dispatcher(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -173,28 +179,9 @@ def experimental_reached(graph: dict[str, set[str]]) -> list[list[str]]:
     one import chain from it to the experimental module (breadth first: a shortest chain)."""
     chains = []
     for root in sorted(m for m in graph if any(_within(m, p) for p in SHIPPED_PACKAGES)):
-        parent = {root: None}
-        queue = [root]
-        hit = None
-        while queue and hit is None:
-            nxt = []
-            for v in queue:
-                for w in sorted(graph.get(v, ())):
-                    if w in parent:
-                        continue
-                    parent[w] = v
-                    if _within(w, EXPERIMENTAL):
-                        hit = w
-                        break
-                    nxt.append(w)
-                if hit is not None:
-                    break
-            queue = nxt
-        if hit is not None:
-            chain = [hit]
-            while parent[chain[-1]] is not None:
-                chain.append(parent[chain[-1]])
-            chains.append(chain[::-1])
+        chain = _chain_to(graph, root, lambda w: _within(w, EXPERIMENTAL))
+        if chain is not None:
+            chains.append(chain)
     return chains
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from attention_inputs import paged_layout
 from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch
 from zerodiff.ops import indexer as ix
 from zerodiff.reference import indexer as ref
@@ -13,17 +14,8 @@ D = 64  # interpreter-sized key dim (the model's is 128)
 
 
 def _setup(g, lens, d=D, bs=16, H=4, extra_blocks=2):
-    B = len(lens)
-    mb = max((L + bs - 1) // bs for L in lens)
     nb = sum((L + bs - 1) // bs for L in lens) + extra_blocks
-    perm = torch.randperm(nb, generator=g).to(torch.int32)
-    bt = torch.full((B, mb), -1, dtype=torch.int32)
-    used, slots = 0, []
-    for b, L in enumerate(lens):
-        n = (L + bs - 1) // bs
-        bt[b, :n] = perm[used : used + n]
-        used += n
-        slots += [int(bt[b, p // bs]) * bs + p % bs for p in range(L)]
+    bt, slots = paged_layout(g, lens, bs, nb)
     k = (torch.randn(len(slots), d, generator=g) * torch.logspace(-3, 2, len(slots))[:, None]).to(torch.bfloat16)
     k[0] = 0.0
     k[1, ::2] = -0.0
@@ -37,6 +29,11 @@ def _queries(g, T, H=4, d=D):
     q_fp8, qs = ix.quant_index_q(q)
     w = torch.randn(T, H, generator=g) * qs
     return q_fp8, w.to(torch.float32)
+
+
+def _rows(req, pos):
+    """Query rows: their request ids and positions as int32 tensors."""
+    return torch.tensor(req, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -58,8 +55,7 @@ def test_triton_scores_match_reference_and_mask_causally(seeded):
     lens = [70, 33]
     cache, bt, _, _ = _setup(g, lens)
     T, W = 6, 96
-    req = torch.tensor([0, 1, 0, 1, 0, 0], dtype=torch.int32)
-    pos = torch.tensor([69, 32, 0, 5, 40, 64], dtype=torch.int32)
+    req, pos = _rows([0, 1, 0, 1, 0, 0], [69, 32, 0, 5, 40, 64])
     q, w = _queries(g, T)
     a = ix.index_scores(q, w, cache, bt, req, pos, W, backend="triton")
     b = ref.index_scores_ref(q, w, cache, bt, req, pos, W)
@@ -104,8 +100,7 @@ def test_short_context_static_rule_equals_scored_path(seeded):
     lens = [60, 40]
     cache, bt, _, _ = _setup(g, lens)
     W, k = 64, 24
-    req = torch.tensor([0, 0, 0, 1, 1, 0], dtype=torch.int32)
-    pos = torch.tensor([0, 10, 23, 24, 39, 59], dtype=torch.int32)  # lengths 1, 11, 24 (= k), 25, 40, 60
+    req, pos = _rows([0, 0, 0, 1, 1, 0], [0, 10, 23, 24, 39, 59])  # lengths 1, 11, 24 (= k), 25, 40, 60
     q, w = _queries(g, 6)
     fast = ix.indexer_topk(q, w, cache, bt, req, pos, k, W, shortcut=True, backend="triton")
     scored = ix.indexer_topk(q, w, cache, bt, req, pos, k, W, shortcut=False, backend="triton")

@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch
+from gpu_inputs import GPU_MS
 from zerodiff.ops import moe
 from zerodiff.reference.moe import moe_experts_ref, route_ref
-
-GPU_MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 1000, 4096)
 
 
 def _experts(g, E=4, H=256, I=128, device="cpu"):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victim_in_batch, first_difference
+from gpu_inputs import GPU_MS, cuda_gen, rand_cuda
 from zerodiff import _triton as zt
 from zerodiff.ops.rmsnorm import rms_norm
 from zerodiff.reference.rmsnorm import pairwise_sum_fp32, rms_norm_f64, rms_norm_ref
@@ -181,19 +182,6 @@ def test_interpreter_victim_in_batch(seeded):
 # ----------------------------------------------------------------------------------------------------
 # GPU
 
-GPU_MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 1000, 4096)
-
-
-def _cuda_gen(g):
-    """A CUDA generator seeded from the test's CPU generator (fillers are drawn on the device: fast)."""
-    gc = torch.Generator(device="cuda")
-    gc.manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
-    return gc
-
-
-def _rand_cuda(gc, shape, scale=1.0):
-    return (torch.randn(*shape, generator=gc, device="cuda") * scale).to(torch.bfloat16)
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [4096, 7168])
@@ -221,14 +209,14 @@ def test_gpu_victim_in_batch(seeded, H):
     victim = torch.cat([_rand(g, (2, H), 2.0), adversarial_rows(g, H)]).cuda()
     res_v = _rand(g, victim.shape).cuda()
     V = victim.shape[0]
-    gc = _cuda_gen(g)
+    gc = cuda_gen(g)
     alone = rms_norm(victim, w)
     alone_y, alone_r = rms_norm(victim, w, residual=res_v)
     for rnd in range(3):
         for M in GPU_MS:
             for pos in sorted({0, M // 2, M}):
-                x = torch.cat([_rand_cuda(gc, (pos, H), 1.0 + rnd), victim, _rand_cuda(gc, (M - pos, H))])
-                res = torch.cat([_rand_cuda(gc, (pos, H)), res_v, _rand_cuda(gc, (M - pos, H))])
+                x = torch.cat([rand_cuda(gc, (pos, H), 1.0 + rnd), victim, rand_cuda(gc, (M - pos, H))])
+                res = torch.cat([rand_cuda(gc, (pos, H)), res_v, rand_cuda(gc, (M - pos, H))])
                 at = f"at {pos} of {M + V}, H={H}, round {rnd}"
                 assert_victim_in_batch(alone, [(at, rms_norm(x, w)[pos:pos + V])])
                 y, r = rms_norm(x, w, residual=res)

@@ -4,12 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victims_in_batch
+from bitwise import assert_batch_dependent, assert_bitwise_equal, assert_victims_in_batch, victim_batches
+from gpu_inputs import CPU_MS, GPU_MS
 from zerodiff.ops.router_gemm import gemm_config, router_gemm
 from zerodiff.reference.router_gemm import router_gemm_ref
-
-CPU_MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65)
-GPU_MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 1000, 4096)
 
 
 def test_close_to_reference(seeded):
@@ -30,14 +28,9 @@ def test_victim_in_batch(seeded):
     v[0, :16] = -0.0
     v[1, :] = 0.5  # plateau: every logit a tie-prone sum
     alone = [router_gemm(v[i : i + 1], w, backend="triton") for i in range(3)]
-    for rnd in range(2):
-        for M in CPU_MS:
-            pos = sorted({0, M // 2, M - 1})
-            b = (torch.randn(M, H, generator=g) * (1 + rnd)).to(torch.bfloat16)
-            for j, p in enumerate(pos):
-                b[p] = v[j]
-            o = router_gemm(b, w, backend="triton")
-            assert_victims_in_batch(o, alone, pos, f"round {rnd}")
+    fill = lambda M, rnd: (torch.randn(M, H, generator=g) * (1 + rnd)).to(torch.bfloat16)  # noqa: E731
+    for rnd, _, pos, b in victim_batches(v, CPU_MS, fill):
+        assert_victims_in_batch(router_gemm(b, w, backend="triton"), alone, pos, f"round {rnd}")
 
 
 def test_config_and_errors():
@@ -61,15 +54,9 @@ def test_gpu_victim_in_batch_and_negative_control(EH):
     alone = [router_gemm(v[i : i + 1], w) for i in range(3)]
     stock_alone = F.linear(v[:1].float(), w.float())
     stock_runs = []
-    for rnd in range(2):
-        for M in GPU_MS:
-            pos = sorted({0, M // 2, M - 1})
-            b = pool[:M].clone() if rnd == 0 else pool[:M].flip(0).clone()
-            for j, p in enumerate(pos):
-                b[p] = v[j]
-            o = router_gemm(b, w)
-            assert_victims_in_batch(o, alone, pos, f"E, H = {EH}, round {rnd}")
-            stock = F.linear(b.float(), w.float())[pos[0] : pos[0] + 1]
-            stock_runs.append((f"at {pos[0]} of {M}, round {rnd}", stock))
+    for rnd, M, pos, b in victim_batches(v, GPU_MS, pool):
+        assert_victims_in_batch(router_gemm(b, w), alone, pos, f"E, H = {EH}, round {rnd}")
+        stock = F.linear(b.float(), w.float())[pos[0] : pos[0] + 1]
+        stock_runs.append((f"at {pos[0]} of {M}, round {rnd}", stock))
     assert_batch_dependent(stock_alone, stock_runs, "stock FP32 F.linear")
     assert torch.allclose(alone[0], router_gemm_ref(v[:1], w), rtol=1e-4, atol=1e-5)

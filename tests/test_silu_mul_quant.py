@@ -5,6 +5,7 @@ negative controls, bad inputs; and the same claims on the GPU (``gpu`` marker)."
 import pytest
 import torch
 from bitwise import bits
+from gpu_inputs import GPU_MS, cuda_gen, rand_cuda
 
 from zerodiff import _triton as zt
 from zerodiff.ops.silu_mul_quant import silu_mul, silu_mul_quant_fp8, silu_mul_quant_fp8_masked
@@ -294,21 +295,6 @@ def test_interpreter_negative_control(seeded):
 # ----------------------------------------------------------------------------------------------------
 # GPU (H200 / SM100): bitwise invariance at every dispatch boundary, layouts, tolerance, controls
 
-GPU_MS = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 1000, 4096)
-
-
-def _cuda_gen(g):
-    """A CUDA generator seeded from the test's CPU generator (fillers are drawn on the device: fast)."""
-    gc = torch.Generator(device="cuda")
-    gc.manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
-    return gc
-
-
-def _rand_cuda(gc, shape, scale=1.0):
-    return (torch.randn(*shape, generator=gc, device="cuda") * scale).to(torch.bfloat16)
-
-
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [2048, 4096])
@@ -316,14 +302,14 @@ def test_gpu_victim_in_batch(seeded, N):
     g = seeded()
     victims = torch.cat([_rand(g, (2, 2 * N)), adversarial_rows(g, N)], 0).cuda()
     V = victims.shape[0]
-    gc = _cuda_gen(g)
+    gc = cuda_gen(g)
     for clamp in (None, 10.0):
         aq, as_ = silu_mul_quant_fp8(victims, clamp_limit=clamp)
         ah = silu_mul(victims, clamp_limit=clamp)
         for rnd in range(3):
             for M in GPU_MS:
                 for pos in sorted({0, M // 2, M - 1}):
-                    x = _rand_cuda(gc, (M + V, 2 * N), scale=1.0 + rnd)
+                    x = rand_cuda(gc, (M + V, 2 * N), scale=1.0 + rnd)
                     x[pos:pos + V] = victims
                     q, s = silu_mul_quant_fp8(x, clamp_limit=clamp)
                     h = silu_mul(x, clamp_limit=clamp)

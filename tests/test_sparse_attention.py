@@ -188,15 +188,21 @@ def test_dispatcher_picks_by_device_library_and_shape_only(seeded, monkeypatch):
     assert sa.default_sm_scale() == 1 / math.sqrt(576)
 
 
+def _gpu_case(backend, B, ctx, **kw):
+    """``gpu_setup(B, ctx, **kw)`` for ``backend`` (skipped when FlashMLA is wanted and absent) and one request per
+    row: ``cache, bt, pos, q, req``."""
+    if backend == "flashmla":
+        need_flashmla()
+    cache, bt, pos, q = gpu_setup(B, ctx, **kw)
+    return cache, bt, pos, q, torch.arange(B, dtype=torch.int32, device="cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_kernel_matches_reference(backend):
-    if backend == "flashmla":
-        need_flashmla()
-    cache, bt, pos, q = gpu_setup(4, 4096, topk=512)
+    cache, bt, pos, q, req = _gpu_case(backend, 4, 4096, topk=512)
     pos[1, 300:] = -1
     sink = torch.linspace(-2, 2, GPU_H, device="cuda")
-    req = torch.arange(4, dtype=torch.int32, device="cuda")
     sc = 1 / math.sqrt(576)
     o, l = sa.sparse_mla_attention(q, cache, bt, req, pos, sc, attn_sink=sink, backend=backend)
     ws = kc.gather_kv(cache, bt, req, pos)
@@ -209,12 +215,9 @@ def test_gpu_kernel_matches_reference(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_victim_in_batch_and_decode_equals_prefill(backend):
-    if backend == "flashmla":
-        need_flashmla()
-    cache, bt, pos, q = gpu_setup(129, 4096)
+    cache, bt, pos, q, req_all = _gpu_case(backend, 129, 4096)
     sc = 1 / math.sqrt(576)
     sink = torch.linspace(-1, 1, GPU_H, device="cuda")
-    req_all = torch.arange(129, dtype=torch.int32, device="cuda")
     victim = 0
     alone = sa.sparse_mla_attention(q[:1], cache, bt, req_all[:1], pos[:1], sc, attn_sink=sink, backend=backend)
     for B in (2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 129):
@@ -246,12 +249,8 @@ def test_gpu_victim_in_batch_and_decode_equals_prefill(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_cuda_graph_replay_equals_eager_repeated(backend):
-    if backend == "flashmla":
-        need_flashmla()
-    B = 64
-    cache, bt, pos, q = gpu_setup(B, 8192, seed=3)
+    cache, bt, pos, q, req = _gpu_case(backend, 64, 8192, seed=3)
     sc = 1 / math.sqrt(576)
-    req = torch.arange(B, dtype=torch.int32, device="cuda")
     kw = dict(check=False, backend=backend)
     eager = sa.sparse_mla_attention(q, cache, bt, req, pos, sc, **kw)
     s = torch.cuda.Stream()
@@ -274,11 +273,8 @@ def test_gpu_cuda_graph_replay_equals_eager_repeated(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_negative_control_reversed_order(backend):
-    if backend == "flashmla":
-        need_flashmla()
-    cache, bt, pos, q = gpu_setup(8, 8192, seed=5)
+    cache, bt, pos, q, req = _gpu_case(backend, 8, 8192, seed=5)
     sc = 1 / math.sqrt(576)
-    req = torch.arange(8, dtype=torch.int32, device="cuda")
     a = sa.sparse_mla_attention(q, cache, bt, req, pos, sc, backend=backend)
     b = sa.sparse_mla_attention(q, cache, bt, req, pos.flip(-1).contiguous(), sc, backend=backend)
     assert not torch.equal(a[0], b[0]), "reversed index order must change the output (else order is not tested)"

@@ -448,6 +448,43 @@ def test_gpu_routing_exact(seeded):
         assert torch.equal(ids.cpu(), rids) and bits_equal(sc.cpu(), rsc), f"T={T}"
 
 
+def _gpu_victim_sweep(g, victim, vlen, k, alone, sizes, rounds=3):
+    """The victim row (length ``vlen``) at the first, a third and the last slot of fresh GPU batches of every size
+    (other rows with random lengths), several rounds: its top-k is always ``alone[0]``."""
+    W = victim.shape[0]
+    for rnd in range(rounds):
+        for B in sizes:
+            fill = _gpu_rows(B, W, g).cuda()
+            L = torch.randint(0, W + 1, (B,), generator=g, dtype=torch.int32).cuda()
+            for slot in sorted({0, B // 3, B - 1}):
+                f = fill.clone()
+                f[slot] = victim.cuda()
+                Ls = L.clone()
+                Ls[slot] = vlen
+                got = deterministic_topk(f, k, Ls)
+                assert torch.equal(got[slot].cpu(), alone[0].cpu()), f"round {rnd} B={B} slot={slot}"
+
+
+def _gpu_graph_check(g, replays, W=16384, k=2048, B=8):
+    """deterministic_topk captured in a CUDA graph: every replay equals eager, and a replay on new inputs written
+    into the same storage equals the reference on them."""
+    s = _gpu_rows(B, W, g).cuda()
+    L = torch.randint(1, W + 1, (B,), generator=g, dtype=torch.int32).cuda()
+    eager = deterministic_topk(s, k, L)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = deterministic_topk(s, k, L)
+    for rnd in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"replay {rnd}"
+    s.copy_(_gpu_rows(B, W, g).cuda())  # new inputs in the same storage
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), deterministic_topk_ref(s.cpu(), k, L.cpu()))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("W,k", GPU_VICTIM_CASES)
 def test_gpu_victim_in_batch(seeded, W, k):
@@ -461,17 +498,7 @@ def test_gpu_victim_in_batch(seeded, W, k):
     sizes = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 1000)
     if W > 8192:
         sizes = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 300)
-    for rnd in range(3):
-        for B in sizes:
-            fill = _gpu_rows(B, W, g).cuda()
-            L = torch.randint(0, W + 1, (B,), generator=g, dtype=torch.int32).cuda()
-            for slot in sorted({0, B // 3, B - 1}):
-                f = fill.clone()
-                f[slot] = victim.cuda()
-                Ls = L.clone()
-                Ls[slot] = vlen
-                got = deterministic_topk(f, k, Ls)
-                assert torch.equal(got[slot].cpu(), alone[0].cpu()), f"round {rnd} B={B} slot={slot}"
+    _gpu_victim_sweep(g, victim, vlen, k, alone, sizes)
 
 
 @pytest.mark.gpu
@@ -504,22 +531,7 @@ def test_gpu_lengths_checks_and_clamp(seeded):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_equals_eager(seeded):
-    g = seeded()
-    W, k, B = 16384, 2048, 8
-    s = _gpu_rows(B, W, g).cuda()
-    L = torch.randint(1, W + 1, (B,), generator=g, dtype=torch.int32).cuda()
-    eager = deterministic_topk(s, k, L)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = deterministic_topk(s, k, L)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
-    s.copy_(_gpu_rows(B, W, g).cuda())  # new inputs in the same storage
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), deterministic_topk_ref(s.cpu(), k, L.cpu()))
+    _gpu_graph_check(seeded(), replays=1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -555,18 +567,7 @@ def test_gpu_split_victim_in_batch(seeded, monkeypatch, W, k):
     assert torch.equal(alone.cpu(), deterministic_topk_ref(victim[None], k, vl))
     single = _topk_triton(victim[None].cuda(), k, vl.cuda(), False, variant="single")
     assert torch.equal(alone, single)
-    sizes = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 300)
-    for rnd in range(3):
-        for B in sizes:
-            fill = _gpu_rows(B, W, g).cuda()
-            L = torch.randint(0, W + 1, (B,), generator=g, dtype=torch.int32).cuda()
-            for slot in sorted({0, B // 3, B - 1}):
-                f = fill.clone()
-                f[slot] = victim.cuda()
-                Ls = L.clone()
-                Ls[slot] = vlen
-                got = deterministic_topk(f, k, Ls)
-                assert torch.equal(got[slot].cpu(), alone[0].cpu()), f"round {rnd} B={B} slot={slot}"
+    _gpu_victim_sweep(g, victim, vlen, k, alone, (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 300))
 
 
 @pytest.mark.gpu
@@ -585,19 +586,4 @@ def test_gpu_split_negative_control(seeded):
 def test_gpu_split_cuda_graph_equals_eager(seeded, monkeypatch):
     g = seeded()
     monkeypatch.setattr(topk_mod, "VARIANT", "split")
-    W, k, B = 16384, 2048, 8
-    s = _gpu_rows(B, W, g).cuda()
-    L = torch.randint(1, W + 1, (B,), generator=g, dtype=torch.int32).cuda()
-    eager = deterministic_topk(s, k, L)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = deterministic_topk(s, k, L)
-    for rnd in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager), f"replay {rnd}"
-    s.copy_(_gpu_rows(B, W, g).cuda())  # new inputs in the same storage
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out.cpu(), deterministic_topk_ref(s.cpu(), k, L.cpu()))
+    _gpu_graph_check(g, replays=3)
