@@ -105,36 +105,30 @@ class JitDetector:
         self.foreign: list = []  # new cache entries without in-process evidence (non-strict)
         self.strict = bool(strict)
         self.label = None
-        self._orig = None
+        self._restore = None
         self.triton_hook = False
 
     # Triton in-memory cache misses
     def install(self) -> "JitDetector":
-        try:
-            from triton.runtime.jit import JITFunction
-        except Exception:  # noqa: BLE001 - no Triton here: the dir watch still runs
-            return self
-        orig = getattr(JITFunction, "_do_compile", None)
-        if orig is None:
-            return self
+        from .profiling import wrap_triton_compile
+
         det = self
 
-        def _do_compile(fn_self, *a, **kw):
-            name = getattr(getattr(fn_self, "fn", None), "__name__", None) or str(fn_self)
-            det.note("triton_compile", name)
-            return orig(fn_self, *a, **kw)
+        def make_wrapper(orig):
+            def _do_compile(fn_self, *a, **kw):
+                name = getattr(getattr(fn_self, "fn", None), "__name__", None) or str(fn_self)
+                det.note("triton_compile", name)
+                return orig(fn_self, *a, **kw)
+            return _do_compile
 
-        self._orig = orig
-        JITFunction._do_compile = _do_compile
-        self.triton_hook = True
+        self._restore = wrap_triton_compile(make_wrapper)  # None without Triton: the dir watch still runs
+        self.triton_hook = self._restore is not None
         return self
 
     def uninstall(self) -> None:
-        if self._orig is not None:
-            from triton.runtime.jit import JITFunction
-
-            JITFunction._do_compile = self._orig
-            self._orig = None
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
 
     def __enter__(self):
         return self.install()

@@ -18,41 +18,52 @@ import time
 from collections import defaultdict
 
 
+def wrap_triton_compile(make_wrapper):
+    """Replace ``triton.runtime.jit.JITFunction._do_compile`` (present in Triton 3.2-3.8) by
+    ``make_wrapper(original)``. Returns a function that puts the original back, or None when Triton or that
+    hook point is absent (nothing is changed then)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except Exception:  # noqa: BLE001 - no Triton here
+        return None
+    orig = getattr(JITFunction, "_do_compile", None)
+    if orig is None:
+        return None
+    JITFunction._do_compile = make_wrapper(orig)
+
+    def restore() -> None:
+        JITFunction._do_compile = orig
+
+    return restore
+
+
 class _CompileLog:
-    """Wraps ``triton.runtime.jit.JITFunction._do_compile`` (present in Triton 3.2-3.8) to log compilations."""
+    """Logs every Triton compilation (kernel, seconds, constexpr key) through :func:`wrap_triton_compile`."""
 
     def __init__(self):
         self.events: list[tuple[str, float, str]] = []
-        self._orig = None
+        self._restore = None
 
     def install(self) -> bool:
-        try:
-            from triton.runtime.jit import JITFunction
-        except Exception:
-            return False
-        orig = getattr(JITFunction, "_do_compile", None)
-        if orig is None:
-            return False
         log = self.events
 
-        def _do_compile(fn_self, key, signature, device, constexprs, *a, **kw):
-            t = time.perf_counter()
-            try:
-                return orig(fn_self, key, signature, device, constexprs, *a, **kw)
-            finally:
-                name = getattr(getattr(fn_self, "fn", None), "__name__", str(fn_self))
-                log.append((name, time.perf_counter() - t, repr(constexprs)[:300]))
+        def make_wrapper(orig):
+            def _do_compile(fn_self, key, signature, device, constexprs, *a, **kw):
+                t = time.perf_counter()
+                try:
+                    return orig(fn_self, key, signature, device, constexprs, *a, **kw)
+                finally:
+                    name = getattr(getattr(fn_self, "fn", None), "__name__", str(fn_self))
+                    log.append((name, time.perf_counter() - t, repr(constexprs)[:300]))
+            return _do_compile
 
-        self._orig = orig
-        JITFunction._do_compile = _do_compile
-        return True
+        self._restore = wrap_triton_compile(make_wrapper)
+        return self._restore is not None
 
     def uninstall(self) -> None:
-        if self._orig is not None:
-            from triton.runtime.jit import JITFunction
-
-            JITFunction._do_compile = self._orig
-            self._orig = None
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
 
     def report(self) -> str:
         if not self.events:

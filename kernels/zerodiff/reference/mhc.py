@@ -91,19 +91,13 @@ def mhc_pre_ref(
     hc_scale: torch.Tensor,
     hc_base: torch.Tensor,
     *,
-    rms_eps: float = RMS_EPS,
-    hc_pre_eps: float = HC_EPS,
-    hc_sinkhorn_eps: float = HC_EPS,
-    hc_post_mult: float = POST_MULT,
-    sinkhorn_iters: int = SINKHORN_ITERS,
     dtype: torch.dtype = torch.float64,
+    **mix_options: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(layer_input bf16 [T, H], post fp32 [T, n], comb fp32 [T, n, n]); see the module docstring."""
-    pre, post, comb = mhc_mix_ref(
-        residual, fn, hc_scale, hc_base, rms_eps=rms_eps, hc_pre_eps=hc_pre_eps,
-        hc_sinkhorn_eps=hc_sinkhorn_eps, hc_post_mult=hc_post_mult,
-        sinkhorn_iters=sinkhorn_iters, dtype=dtype,
-    )
+    """(layer_input bf16 [T, H], post fp32 [T, n], comb fp32 [T, n, n]); see the module docstring.
+
+    ``mix_options`` are :func:`mhc_mix_ref`'s keywords (epsilons, post multiplier, Sinkhorn count)."""
+    pre, post, comb = mhc_mix_ref(residual, fn, hc_scale, hc_base, dtype=dtype, **mix_options)
     layer_input = aggregate_ref(residual, pre, dtype)
     return layer_input, post.to(torch.float32), comb.to(torch.float32)
 

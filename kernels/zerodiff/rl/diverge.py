@@ -15,13 +15,18 @@ class Recorder:
         self.rows: dict = {}
 
     def __call__(self, name, keys, t):
-        if name not in self.rows:
-            self.order.append(name)
-            self.rows[name] = {}
-        d = self.rows[name]
-        t = t.detach().cpu()
-        for i, k in enumerate(keys):
-            d[k] = t[i]
+        store_rows(self.order, self.rows, name, keys, t)
+
+
+def store_rows(order: list, rows: dict, name: str, keys, t: torch.Tensor) -> None:
+    """Store row ``i`` of ``t`` (on the CPU) as ``rows[name][keys[i]]``; a new ``name`` is appended to ``order``."""
+    if name not in rows:
+        order.append(name)
+        rows[name] = {}
+    d = rows[name]
+    t = t.detach().cpu()
+    for i, k in enumerate(keys):
+        d[k] = t[i]
 
 
 def first_divergence(rollout: Recorder, train: Recorder) -> dict | None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .diverge import Recorder, ops_for  # noqa: F401 - ops_for re-exported
+from .diverge import Recorder, ops_for, store_rows  # noqa: F401 - ops_for re-exported
 
 #: ops the proxy records (the calls ``forward_step`` makes on its ops object)
 RECORDED_OPS = ("embed", "mhc_pre", "rms_norm", "fp8_linear", "bf16_linear", "rope", "indexer_topk", "attention",
@@ -157,13 +157,7 @@ class OpRecorder(Recorder):
         return _RecordingOps(ops, step, self)
 
     def op(self, name, keys, t):
-        if name not in self.op_rows:
-            self.op_order.append(name)
-            self.op_rows[name] = {}
-        d = self.op_rows[name]
-        t = t.detach().cpu()
-        for i, k in enumerate(keys):
-            d[k] = t[i]
+        store_rows(self.op_order, self.op_rows, name, keys, t)
 
     def stacked(self, name: str, key, positions) -> torch.Tensor:
         """Rows of op ``name`` for request ``key`` at ``positions``, stacked."""

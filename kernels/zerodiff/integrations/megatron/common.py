@@ -20,6 +20,14 @@ def _check_versions(ctx, *ts):
             "used. Run the optimizer step only after backward.")
 
 
+def _save_linear_ste(ctx, x2, w) -> None:
+    """Keep what :func:`_linear_ste_backward` needs: the input ``x2``, the master ``w`` (off
+    ``save_for_backward``, so the version check below names the problem) and its version now."""
+    ctx.save_for_backward(x2)
+    ctx.zd_weight = w
+    ctx.zd_versions = _versions(w)
+
+
 def _linear_ste_backward(ctx, g):
     """The straight-through backward of ``y = x2 @ w.T`` against the master ``ctx.zd_weight`` (weight-version
     check first), in FP32: ``(grad_x2, grad_w)``, each None where autograd does not need it (``needs_input_grad``

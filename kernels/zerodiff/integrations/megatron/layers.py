@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ConfigError
-from .common import _check_versions, _linear_ste_backward, _versions
+from .common import _check_versions, _linear_ste_backward, _save_linear_ste, _versions
 from .guard import _SCORES
 
 __all__ = ["router_logits", "topk_routing", "swiglu", "mlp_activation", "RMSNorm", "rms_norm"]
@@ -20,9 +20,7 @@ class _RouterGemm(torch.autograd.Function):
     def forward(ctx, x2, w):
         from ...ops.router_gemm import router_gemm
 
-        ctx.save_for_backward(x2)
-        ctx.zd_weight = w  # kept off save_for_backward so our version check names the problem
-        ctx.zd_versions = _versions(w)
+        _save_linear_ste(ctx, x2, w)
         return router_gemm(x2, w)
 
     @staticmethod

@@ -38,7 +38,7 @@ import os
 import torch
 
 from .. import ConfigError
-from .common import _linear_ste_backward, _versions
+from .common import _linear_ste_backward, _save_linear_ste
 
 __all__ = ["FP8_UE8M0", "fp8_gemm_backend", "moe_backend", "deploy_fp8", "fp8_linear", "Fp8Linear",
            "bf16_linear", "lm_head_logits", "FP8_ATTR", "mark_fp8_linears", "mark_bf16_linears",
@@ -73,9 +73,7 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x2, master, fp8_weight):
         from ...ops.fp8_gemm import fp8_linear as zd_fp8_linear
 
-        ctx.save_for_backward(x2)
-        ctx.zd_weight = master
-        ctx.zd_versions = _versions(master)
+        _save_linear_ste(ctx, x2, master)
         return zd_fp8_linear(x2, fp8_weight, backend=fp8_gemm_backend(x2.device))
 
     @staticmethod
@@ -141,9 +139,7 @@ class _Bf16Linear(torch.autograd.Function):
     def forward(ctx, x2, w, fp32_out):
         from ...ops.bf16_gemm import bf16_gemm
 
-        ctx.save_for_backward(x2)
-        ctx.zd_weight = w
-        ctx.zd_versions = _versions(w)
+        _save_linear_ste(ctx, x2, w)
         return bf16_gemm(x2, w, out_dtype=torch.float32 if fp32_out else torch.bfloat16)
 
     @staticmethod
