@@ -2,26 +2,30 @@
 # Run the whole GPU suite and the micro-benchmarks in one go, writing results under $OUT (default
 # ./results/gpu-<date>). Used on the lent H200 and on any user GPU machine:
 #
-#   gpu/gpu-suite.sh [--tests-only | --bench-only] [--quick] [-k PYTEST_EXPR] [BENCH_NAME ...]
+#   gpu/gpu-suite.sh [--tests-only | --bench-only] [--quick] [--budget S] [-k PYTEST_EXPR] [BENCH_NAME ...]
 #
 # Needs: python3 with CUDA torch, Triton, pytest. DeepGEMM/FlashMLA come from an installed vLLM or from
 # build/wheel-kernels (`make kernels-from-wheel`); a packed copy in .carry/wheel-kernels.tar.gz is unpacked
 # first when the folder is missing (that is how the tree travels to a machine without vLLM).
-# ZD_TEST_FILES="tests/test_a.py ..." restricts the test files.
+# ZD_TEST_FILES="tests/test_a.py ..." restricts the test files; ZD_FILE_TIMEOUT=S ends one file's pytest after S
+# seconds (recorded as exit 124); --budget S starts no further test file or benchmark once S seconds have passed
+# (the files left are listed as "not run" in files.txt and summary.txt).
 # Outputs (few files on purpose): summary.txt, env.txt, pytest.log, junit.xml, bench.log, bench-json.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 OUT=${OUT:-$ROOT/results/gpu-$(date -u +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT"
-RUN_TESTS=1; RUN_BENCH=1; QUICK=""; KEXPR=""; BENCHES=()
+RUN_TESTS=1; RUN_BENCH=1; QUICK=""; KEXPR=""; BENCHES=(); BUDGET=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --tests-only) RUN_BENCH=0 ;;
     --bench-only) RUN_TESTS=0 ;;
     --quick) QUICK="--quick" ;;
     -k) KEXPR="$2"; shift ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    --budget) BUDGET="$2"; shift
+      case "$BUDGET" in ''|*[!0-9]*) echo "gpu-suite.sh: --budget wants whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) BENCHES+=("$1") ;;
   esac
   shift
@@ -48,21 +52,27 @@ EOF
 cat "$OUT/env.txt"
 
 t0=$(date +%s)
+over_budget() { [ "$BUDGET" -gt 0 ] && [ $(( $(date +%s) - t0 )) -ge "$BUDGET" ]; }
+nskipped=0
 status_tests="not run"
 if [ "$RUN_TESTS" = 1 ]; then
   # one pytest process per test file: a kernel fault (a sticky CUDA error) then fails only its own file
   : >"$OUT/pytest.log"; rc=0; nfiles=0; nbad=0
   for f in ${ZD_TEST_FILES:-tests/test_*.py}; do
     grep -q "pytest.mark.gpu" "$f" || continue
+    if over_budget; then
+      nskipped=$((nskipped+1)); echo "$f: not run (--budget $BUDGET s spent)" | tee -a "$OUT/files.txt"; continue
+    fi
     nfiles=$((nfiles+1))
     echo "=== $f ===" | tee -a "$OUT/pytest.log"
-    $PY -m pytest -m gpu -q -rfEs -p no:cacheprovider ${KEXPR:+-k "$KEXPR"} "$f" >>"$OUT/pytest.log" 2>&1
+    ${ZD_FILE_TIMEOUT:+timeout "$ZD_FILE_TIMEOUT"} $PY -m pytest -m gpu -q -rfEs -p no:cacheprovider ${KEXPR:+-k "$KEXPR"} "$f" >>"$OUT/pytest.log" 2>&1
     r=$?
     [ $r -eq 5 ] && r=0  # no gpu test selected in this file
     [ $r -ne 0 ] && { rc=$r; nbad=$((nbad+1)); }
     echo "$f: exit $r: $(grep -E '(passed|failed|error|skipped)' "$OUT/pytest.log" | tail -n 1)" | tee -a "$OUT/files.txt"
   done
   status_tests="exit $rc: $nbad of $nfiles files with failures"
+  [ "$nskipped" -gt 0 ] && status_tests="$status_tests, $nskipped not run (budget)"
 fi
 t1=$(date +%s)
 
@@ -74,6 +84,7 @@ if [ "$RUN_BENCH" = 1 ]; then
   fi
   nok=0; nfail=0
   for b in "${BENCHES[@]}"; do
+    if over_budget; then echo "bench $b: not run (--budget $BUDGET s spent)" | tee -a "$OUT/bench.log"; continue; fi
     echo "=== bench $b ===" | tee -a "$OUT/bench.log"
     if timeout 400 $PY "benchmarks/bench_$b.py" $QUICK --json "$OUT/bench/$b.json" >>"$OUT/bench.log" 2>&1; then
       nok=$((nok+1)); tail -n 40 "$OUT/bench.log" | grep -v '^ ' | tail -n 25

@@ -432,7 +432,10 @@ def test_gpu_dsv4_fixed_schedule_adapter_reference_and_invariance(seeded, compre
     kc = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     qc, pc, rc, vc, sc = q.cuda(), pos.cuda(), req.cuda(), valid.cuda(), sink.cuda()
     o, lse = zv.dsv4_fixed_schedule_attention(qc, pc, rc, vc, attn_sink=sc, **kc)
-    assert torch.allclose(o.cpu().double(), ref, atol=2e-2, rtol=2e-2)
+    err = (o.cpu().double() - ref).abs()
+    assert torch.allclose(o.cpu().double(), ref, atol=2e-2, rtol=2e-2), (
+        f"compress ratio {compress_ratio}: max abs error {err.max().item():.4g}; per token "
+        f"{[round(v, 4) for v in err.flatten(1).amax(1).tolist()]}; positions {pos.tolist()}")
     assert bool((o[4].float() == 0).all())
     for t in (0, 5, 7):
         sub = dict(kc)
