@@ -9,7 +9,8 @@
 # first when the folder is missing (that is how the tree travels to a machine without vLLM).
 # ZD_TEST_FILES="tests/test_a.py ..." restricts the test files; ZD_FILE_TIMEOUT=S ends one file's pytest after S
 # seconds (recorded as exit 124); --budget S starts no further test file or benchmark once S seconds have passed
-# (the files left are listed as "not run" in files.txt and summary.txt).
+# (the files left are listed as "not run" in files.txt and summary.txt); a file started just before the budget
+# runs to its end, so the tests take at most S + ZD_FILE_TIMEOUT seconds.
 # Outputs (few files on purpose): summary.txt, env.txt, pytest.log, junit.xml, bench.log, bench-json.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +26,7 @@ while [ $# -gt 0 ]; do
     -k) KEXPR="$2"; shift ;;
     --budget) BUDGET="$2"; shift
       case "$BUDGET" in ''|*[!0-9]*) echo "gpu-suite.sh: --budget wants whole seconds, got '$BUDGET'" >&2; exit 2 ;; esac ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) BENCHES+=("$1") ;;
   esac
   shift
@@ -65,11 +66,19 @@ if [ "$RUN_TESTS" = 1 ]; then
     fi
     nfiles=$((nfiles+1))
     echo "=== $f ===" | tee -a "$OUT/pytest.log"
-    ${ZD_FILE_TIMEOUT:+timeout "$ZD_FILE_TIMEOUT"} $PY -m pytest -m gpu -q -rfEs -p no:cacheprovider ${KEXPR:+-k "$KEXPR"} "$f" >>"$OUT/pytest.log" 2>&1
+    flog="$OUT/.file.log"
+    ${ZD_FILE_TIMEOUT:+timeout "$ZD_FILE_TIMEOUT"} $PY -m pytest -m gpu -q -rfEs -p no:cacheprovider ${KEXPR:+-k "$KEXPR"} "$f" >"$flog" 2>&1
     r=$?
+    cat "$flog" >>"$OUT/pytest.log"
     [ $r -eq 5 ] && r=0  # no gpu test selected in this file
     [ $r -ne 0 ] && { rc=$r; nbad=$((nbad+1)); }
-    echo "$f: exit $r: $(grep -E '(passed|failed|error|skipped)' "$OUT/pytest.log" | tail -n 1)" | tee -a "$OUT/files.txt"
+    # the outcome line of this file's own log only (a file cut off by its timeout has none)
+    line=$(grep -E '(passed|failed|error|skipped|deselected).* in [0-9.]+s' "$flog" | tail -n 1)
+    if [ $r -eq 124 ] && [ -n "${ZD_FILE_TIMEOUT:-}" ]; then
+      line="timed out after $ZD_FILE_TIMEOUT s (ZD_FILE_TIMEOUT)${line:+; $line}"
+    fi
+    echo "$f: exit $r: ${line:-no pytest summary line (see pytest.log)}" | tee -a "$OUT/files.txt"
+    rm -f "$flog"
   done
   status_tests="exit $rc: $nbad of $nfiles files with failures"
   [ "$nskipped" -gt 0 ] && status_tests="$status_tests, $nskipped not run (budget)"

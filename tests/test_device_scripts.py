@@ -217,3 +217,35 @@ def test_triton_cache_pack_unpack_rewrites_paths(tmp_path):
     r = subprocess.run(tool + ["pack", str(tmp_path / "none"), str(tmp_path / "x.tar.gz")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "no cache" in r.stderr
+
+
+SUITE_PY = r'''#!/bin/bash
+case "$*" in
+  -|-c*) exec REALPY "$@" ;;
+  *"-m pytest"*tests/test_slow.py*) echo "tests/test_slow.py ."; sleep 30 ;;
+  *"-m pytest"*) echo "3 passed, 2 deselected in 0.50s" ;;
+  *) exec REALPY "$@" ;;
+esac
+'''
+
+
+def test_gpu_suite_reports_each_file_from_its_own_log(tmp_path):
+    """A file cut off by ZD_FILE_TIMEOUT is reported as timed out, never with the previous file's outcome line;
+    files past --budget are listed as not run."""
+    env = _fakes(tmp_path, 1)
+    py = tmp_path / "bin" / "py"
+    py.write_text(SUITE_PY.replace("REALPY", sys.executable))
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    for name in ("test_fast.py", "test_slow.py", "test_late.py"):
+        (tests / name).write_text("import pytest\n\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
+    files = " ".join(str(tests / n) for n in ("test_fast.py", "test_slow.py", "test_late.py"))
+    env.update(ZD_TEST_FILES=files, ZD_FILE_TIMEOUT="2")
+    r = subprocess.run(["bash", str(REPO / "gpu/gpu-suite.sh"), "--tests-only", "--budget", "2"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    lines = (tmp_path / "out" / "files.txt").read_text().splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].endswith("test_fast.py: exit 0: 3 passed, 2 deselected in 0.50s"), lines[0]
+    assert "test_slow.py: exit 124: timed out after 2 s" in lines[1] and "passed" not in lines[1], lines[1]
+    assert "test_late.py: not run (--budget 2 s spent)" in lines[2], lines[2]
+    assert r.returncode != 0 or "exit 124" in (tmp_path / "out" / "summary.txt").read_text()
