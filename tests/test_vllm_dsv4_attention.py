@@ -432,10 +432,16 @@ def test_gpu_dsv4_fixed_schedule_adapter_reference_and_invariance(seeded, compre
     kc = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     qc, pc, rc, vc, sc = q.cuda(), pos.cuda(), req.cuda(), valid.cuda(), sink.cuda()
     o, lse = zv.dsv4_fixed_schedule_attention(qc, pc, rc, vc, attn_sink=sc, **kc)
-    err = (o.cpu().double() - ref).abs()
-    assert torch.allclose(o.cpu().double(), ref, atol=2e-2, rtol=2e-2), (
-        f"compress ratio {compress_ratio}: max abs error {err.max().item():.4g}; per token "
-        f"{[round(v, 4) for v in err.flatten(1).amax(1).tolist()]}; positions {pos.tolist()}")
+    got = o.cpu().double()
+    excess = (got - ref).abs() - (2e-2 + 2e-2 * ref.abs())  # > 0 where allclose(atol=rtol=2e-2) fails
+    if bool((excess > 0).any()):
+        t, h, d = (int(i) for i in torch.nonzero(excess == excess.max())[0])
+        bad_tokens = sorted({int(i) for i in torch.nonzero(excess > 0)[:, 0]})
+        pytest.fail(f"compress ratio {compress_ratio}: {int((excess > 0).sum())} of {excess.numel()} elements "
+                    f"outside atol = rtol = 2e-2, in tokens {bad_tokens} (positions "
+                    f"{[int(pos[i]) for i in bad_tokens]}); worst at token {t} head {h} dim {d}: got "
+                    f"{got[t, h, d].item():.6g}, reference {ref[t, h, d].item():.6g}; per-token max abs error "
+                    f"{[round(v, 4) for v in (got - ref).abs().flatten(1).amax(1).tolist()]}")
     assert bool((o[4].float() == 0).all())
     for t in (0, 5, 7):
         sub = dict(kc)
