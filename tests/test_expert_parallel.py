@@ -262,3 +262,121 @@ def test_vllm_guard_ep_refusal_names_the_unwired_dispatcher():
     with pytest.raises(ConfigError, match=r"allgather_reducescatter.*zerodiff\.ops\.expert_parallel.*not wired"):
         vg.validate_config(enable_expert_parallel=True, expert_parallel_world=2,
                            all2all_backend="allgather_reducescatter")
+
+
+# ------------------------------------------------------------------------------- the harness model at EP = 2
+@pytest.fixture(scope="module")
+def model_world(tmp_path_factory):
+    """A gloo world of 2 serving the harness model with ExpertParallelOps (ep_model_cases.worker)."""
+    import torch.multiprocessing as mp
+
+    import ep_model_cases as M
+
+    d = tmp_path_factory.mktemp("ep-model")
+    mp.spawn(M.worker, args=(str(d / "store"), str(d)), nprocs=M.WORLD, join=True)
+    return [torch.load(os.path.join(d, f"model-rank{r}.pt"), weights_only=False) for r in range(M.WORLD)]
+
+
+@pytest.fixture(scope="module")
+def model_ep1():
+    """Every rank's requests of every round served alone with ConsistentOps (EP = 1)."""
+    import ep_model_cases as M
+    from zerodiff.model.ops import ConsistentOps
+    from zerodiff.model.weights import Deployment, init_masters
+
+    torch.set_num_threads(1)
+    cfg = M.model_config()
+    dep = Deployment(init_masters(cfg, M.SEED))
+    return {label: [M.serve(dep, cfg, ConsistentOps(cfg), p) for p in (p0, p1)]
+            for label, p0, p1 in M.rounds(cfg.vocab)}
+
+
+def test_model_ep2_logits_and_logprobs_equal_ep1(model_world, model_ep1):
+    """Every request's logits (prefill positions and decode steps) and log-probs at EP = 2, dynamic and static
+    capacity, equal EP = 1's bits on the same requests; both ranks ran the same number of MoE layers."""
+    import ep_model_cases as M
+
+    for label, _p0, _p1 in M.rounds(M.model_config().vocab):
+        for cap in (None, 512):
+            assert model_world[0]["calls"][(label, cap)] == model_world[1]["calls"][(label, cap)] > 0
+            for r in range(M.WORLD):
+                got, ref = model_world[r]["rounds"][(label, cap)], model_ep1[label][r]
+                assert len(got) == len(ref)
+                for i, ((lg, lp), (lg1, lp1)) in enumerate(zip(got, ref)):
+                    assert_bitwise_equal(lg, lg1, f"{label} cap={cap} rank {r} request {i} logits")
+                    assert_bitwise_equal(lp, lp1, f"{label} cap={cap} rank {r} request {i} log-probs")
+
+
+def test_model_ep2_victim_independent_of_both_ranks_batches(model_world):
+    """The victim request (rank 0) keeps its bits while rank 0's batch holds 1, 3 or 6 requests (at several
+    positions) and rank 1's holds 5, 2 or 1."""
+    import ep_model_cases as M
+
+    v = M.model_config().vocab
+    runs = []
+    for label, p0, _p1 in M.rounds(v):
+        for cap in (None, 512):
+            runs.append((f"{label} cap={cap}", model_world[0]["rounds"][(label, cap)][M.victim_index(p0, v)][0]))
+    assert_victim_in_batch(runs[0][1], runs[1:])
+
+
+def test_model_control_combine_depends_on_the_ep_degree(model_world):
+    """Negative control, the same combine code at EP = 2 and EP = 1: reducing on the expert rank and rounding
+    there (a reduce-scatter / expert-side combine) changes the logits with the EP degree; EP = 1 is recomputed
+    here with that combine."""
+    import ep_model_cases as M
+    from zerodiff.model.weights import Deployment, init_masters
+
+    torch.set_num_threads(1)
+    cfg = M.model_config()
+    dep = Deployment(init_masters(cfg, M.SEED))
+    _ep2_cls, ep1_cls = M.control_ops_classes()
+    runs = []
+    for label, p0, p1 in M.rounds(cfg.vocab):
+        for r, prompts in enumerate((p0, p1)):
+            ep1 = M.serve(dep, cfg, ep1_cls(cfg), prompts)
+            for i, ((lg2, _), (lg1, _)) in enumerate(zip(model_world[r]["control"][label], ep1)):
+                runs.append((f"{label} rank {r} request {i}", lg2, lg1))
+    differ = [name for name, a, b in runs if not torch.equal(a, b)]
+    assert differ, "the expert-side combine gave the same bits at EP = 2 and EP = 1 on every request"
+
+
+def _model_summary(tmp_path, backend):
+    import json
+
+    import torch.multiprocessing as mp
+
+    import ep_model_cases as M
+
+    mp.spawn(M.summary_worker, args=(str(tmp_path / "store"), str(tmp_path), backend), nprocs=M.WORLD, join=True)
+    res = [torch.load(tmp_path / f"summary-rank{r}.pt", weights_only=False) for r in range(M.WORLD)]
+    print("EP2_MODEL_RESULT", json.dumps(res))
+    for r in res:
+        checked = [x for x in r["rounds"] if "values_differ" in x]
+        assert len(checked) == 6 and all(x["values_differ"] == 0 for x in checked), r
+    assert any(x.get("requests_differ", 0) > 0 for r in res for x in r["rounds"]), "the control never differed"
+    return res
+
+
+def test_model_ep2_summary_gloo(tmp_path):
+    """The 2-GPU run's summary code on the CPU (gloo): EP = 2 equals EP = 1, the control differs."""
+    res = _model_summary(tmp_path, "gloo")
+    assert res[0]["backend"] == "gloo" and res[0]["device"] == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_model_ep2_nccl_equals_ep1_two_gpus(tmp_path):
+    """2 GPUs, NCCL, CUDA kernels: the harness model's logits and log-probs at EP = 2 equal EP = 1's on every
+    rank and round; the expert-side combine differs between EP = 2 and EP = 1. Prints EP2_MODEL_RESULT (JSON)."""
+    _model_summary(tmp_path, "nccl")
+
+
+def test_expert_parallel_ops_refusals():
+    from zerodiff.model.config import CPU
+    from zerodiff.model.expert_parallel_ops import ExpertParallelOps
+
+    with pytest.raises(InputError, match="rank=2"):
+        ExpertParallelOps(CPU.model, ep_size=2, rank=2, mover=None)
+    with pytest.raises(InputError, match="capacity=0"):
+        ExpertParallelOps(CPU.model, ep_size=2, rank=0, mover=None, capacity=0)
