@@ -202,3 +202,28 @@ def summary_worker(rank, store_path, out_dir, backend="nccl"):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def rl_control_worker(rank, store_path, out_dir):
+    """One RL step of ExpertParallelRLRun (CPU preset, gloo) whose rollout combines on the expert rank in BF16
+    (the control ops): the diff check must see it (DiffError), on both ranks."""
+    import torch.distributed as dist
+
+    from zerodiff.rl.expert_parallel import ExpertParallelRLRun
+    from zerodiff.rl.loop import DiffError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+    try:
+        run = ExpertParallelRLRun("cpu", 0, ep_size=WORLD, rank=rank, device="cpu")
+        ctl = control_ops_classes()[0](run.cfg, ep_size=WORLD, rank=rank, mover=run.mover)
+        run.engine.ops = ctl
+        try:
+            run.run_step()
+            res = {"error": None}
+        except DiffError as e:
+            res = {"error": str(e), "tokens_differ": (e.report or {}).get("tokens_differ")}
+        torch.save(res, os.path.join(out_dir, f"rl-control-rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -380,3 +380,51 @@ def test_expert_parallel_ops_refusals():
         ExpertParallelOps(CPU.model, ep_size=2, rank=2, mover=None)
     with pytest.raises(InputError, match="capacity=0"):
         ExpertParallelOps(CPU.model, ep_size=2, rank=0, mover=None, capacity=0)
+
+
+# ------------------------------------------------------------------ RL steps: EP = 2 rollout, EP = 1 training
+def test_rl_check_ep2_rollout_ep1_training_diff_zero():
+    """`zerodiff check --rollout-ep 2` on the CPU (gloo): two RL steps, each rank serving half the requests in
+    lockstep (padding steps when its queue is empty), diff = 0 on every response token against the EP = 1
+    training forward, the ranks' masters equal after every update."""
+    from zerodiff.rl.expert_parallel import run_ep_check
+
+    doc = run_ep_check("cpu", steps=2, seed=3, ep_size=2)
+    assert doc["passed"], doc["error"]
+    assert doc["backend"] == "gloo" and len(doc["steps"]) == 2
+    for rep in doc["steps"]:
+        assert rep["bitwise_equal"] and rep["tokens_differ"] == 0 and rep["tokens"] > 0
+        assert rep["masters_equal_across_ranks"]
+        assert len(rep["rank_tokens"]) == 2 and all(n > 0 for n in rep["rank_tokens"])
+        assert sum(rep["rank_tokens"]) == rep["tokens"]
+
+
+def test_rl_check_sees_an_ep_dependent_combine(tmp_path):
+    """Control for the check above: the same EP = 2 run whose rollout reduces on the expert rank in BF16 fails
+    the diff check on both ranks (the check can see a combine that depends on the EP layout)."""
+    import torch.multiprocessing as mp
+
+    import ep_model_cases as M
+
+    mp.spawn(M.rl_control_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=M.WORLD, join=True)
+    for r in range(M.WORLD):
+        res = torch.load(tmp_path / f"rl-control-rank{r}.pt", weights_only=False)
+        assert res["error"] and "differ" in res["error"] and res["tokens_differ"] > 0, res
+
+
+def test_rl_check_ep_refusals(capsys):
+    from zerodiff.cli import main
+    from zerodiff.rl.expert_parallel import run_ep_check
+
+    with pytest.raises(InputError, match="--rollout-ep=1"):
+        run_ep_check("cpu", ep_size=1)
+    with pytest.raises(InputError, match="--rollout-ep=3 does not divide"):
+        run_ep_check("cpu", ep_size=3)
+    with pytest.raises(InputError, match="at least 2 ranks"):
+        run_ep_check("cpu", ep_size=0)
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        with pytest.raises(InputError, match="needs 2 visible GPUs"):
+            run_ep_check("cpu", ep_size=2, backend="nccl")
+    for extra in (["--baseline"], ["--seeds", "2"], ["--restore-at", "0"]):
+        with pytest.raises(SystemExit, match="--rollout-ep 2 cannot be combined with"):
+            main(["check", "--rollout-ep", "2", "--config", "cpu", "--device", "cpu", *extra])

@@ -164,6 +164,10 @@ def register(subparsers) -> None:
                    help="after step K save a checkpoint, restore it into a fresh run and continue from it")
     c.add_argument("--save", default=None, help="save a checkpoint here at the end")
     c.add_argument("--resume", default=None, help="start from this checkpoint")
+    c.add_argument("--rollout-ep", type=int, default=1, metavar="N",
+                   help="expert-parallel rollout: N processes (NCCL, one GPU each, on CUDA; gloo on the CPU), each "
+                        "serving its share of the requests with the model's routed experts spread over the N ranks, "
+                        "against the EP = 1 training forward (zerodiff.rl.expert_parallel); default 1")
     c.set_defaults(func=cmd_check)
     lo = subparsers.add_parser(
         "locate", help="op-level divergence locator: the first op whose output bits differ between rollout and "
@@ -329,7 +333,51 @@ def _packed_preset(cfg_name: str, packing: str, micro_tokens=None, base=None):
     return p if mt == p.train.micro_tokens else p.replace(train=dataclasses.replace(p.train, micro_tokens=mt))
 
 
+def cmd_check_ep(args) -> int:
+    """``zerodiff check --rollout-ep N`` (N > 1): EP = N rollout vs EP = 1 training (zerodiff.rl.expert_parallel)."""
+    from .errors import InputError
+    from .model.config import default_preset_name
+    from .rl.expert_parallel import run_ep_check
+    from .rl.report import format_table
+
+    refused = [name for name, on in (("--baseline", args.baseline), ("--resume", args.resume), ("--save", args.save),
+                                     ("--restore-at", args.restore_at is not None),
+                                     ("--seeds", (getattr(args, "seeds", 1) or 1) > 1),
+                                     ("--mhc-variant", args.mhc_variant), ("--attn-backend", args.attn_backend),
+                                     ("--profile", args.profile)) if on]
+    if refused:
+        raise SystemExit(f"zerodiff: --rollout-ep {args.rollout_ep} cannot be combined with {', '.join(refused)}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if str(device).startswith("cuda") else "gloo"
+    cfg_name = args.config or default_preset_name()
+    packing = getattr(args, "train_packing", None) or "greedy"
+    preset = _packed_preset(cfg_name, packing, getattr(args, "micro_tokens", None), base=_rollout_preset(cfg_name, args))
+    t0 = time.perf_counter()
+    try:
+        doc = run_ep_check(preset, steps=args.steps, seed=args.seed, ep_size=args.rollout_ep, backend=backend,
+                           progress=None if args.quiet else (lambda m: _log(args, m)))
+    except InputError as e:
+        raise SystemExit(str(e)) from None
+    doc.update(command="check", date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               config=cfg_name, steps_requested=args.steps, elapsed_s=round(time.perf_counter() - t0, 2),
+               torch=torch.__version__, train_packing={"mode": packing, "what": TRAIN_PACKINGS[packing]},
+               rollout_settings=_settings_doc(preset))
+    print(format_table(doc["steps"]))
+    for rep in doc["steps"]:
+        print(f"step {rep['step']}: response tokens per rank {rep.get('rank_tokens')}, padding steps "
+              f"{rep.get('pad_steps')}, masters equal across ranks: {rep.get('masters_equal_across_ranks')}")
+    _write_json(args.json_path, doc)
+    if doc["passed"]:
+        print(f"PASS: diff = 0 on {len(doc['steps'])}/{args.steps} steps, rollout EP={args.rollout_ep} "
+              f"({doc['backend']}, {doc['device']}) vs training EP=1")
+        return 0
+    print(f"FAIL: {doc['error'] or 'diff != 0 or the ranks disagree'}")
+    return 1
+
+
 def cmd_check(args) -> int:
+    if int(getattr(args, "rollout_ep", 1) or 1) != 1:
+        return cmd_check_ep(args)
     variants = _kernel_variants(args)
     from .model.config import default_preset_name
     from .rl.control import control_probe, describe

@@ -80,6 +80,10 @@ class RolloutEngine:
         #: last (graph replays: the graph's device time; eager steps: includes gaps while the host enqueues).
         #: Sampling and host bookkeeping are outside the brackets. Off by default (events cost a little).
         self.time_device = False
+        #: an expert-parallel group's lockstep (see :class:`zerodiff.rl.expert_parallel.Lockstep`): every rank
+        #: runs one model forward per engine step until no rank has work; a rank without work runs a padding
+        #: step (one token of a reserved block, no logits) so the MoE layers' collectives stay matched.
+        self.lockstep = None
 
     def _ensure_blocks(self, r: Request, upto: int) -> None:
         bs = self.rcfg.block_size
@@ -98,7 +102,13 @@ class RolloutEngine:
         lo_m, hi_m = self.rcfg.max_batch
         events = [] if (self.time_device and self.device.type == "cuda") else None
         for _ in range(max_steps):
-            if not queue and not running:
+            if self.lockstep is not None:
+                if not self.lockstep.any_active(bool(queue or running)):
+                    break
+                if not queue and not running:
+                    self.lockstep.pad_step(self)
+                    continue
+            elif not queue and not running:
                 break
             budget = rng.randint(lo_b, hi_b)
             maxb = rng.randint(lo_m, hi_m)
