@@ -416,6 +416,81 @@ def test_dsv4_fixed_schedule_adapter_reference_phase_and_batch_invariance(seeded
         assert torch.equal(a[0][0], o[t]) and torch.equal(a[1][0], lse[t]), t
 
 
+def _assert_close_to_reference(o, ref, pos, what):
+    """allclose(atol = rtol = 2e-2) against the float64 reference, failing with the elements outside it: how many,
+    in which tokens (and positions), the worst one with its value and reference."""
+    got = o.cpu().double()
+    excess = (got - ref).abs() - (2e-2 + 2e-2 * ref.abs())  # > 0 where allclose(atol=rtol=2e-2) fails
+    if bool((excess > 0).any()):
+        t, h, d = (int(i) for i in torch.nonzero(excess == excess.max())[0])
+        bad_tokens = sorted({int(i) for i in torch.nonzero(excess > 0)[:, 0]})
+        pytest.fail(f"{what}: {int((excess > 0).sum())} of {excess.numel()} elements outside atol = rtol = 2e-2, in "
+                    f"tokens {bad_tokens} (positions {[int(pos[i]) for i in bad_tokens]}); worst at token {t} head "
+                    f"{h} dim {d}: got {got[t, h, d].item():.6g}, reference {ref[t, h, d].item():.6g}; per-token max "
+                    f"abs error {[round(v, 4) for v in (got - ref).abs().flatten(1).amax(1).tolist()]}")
+
+
+def _c128a_lists(kw, pos, req, valid):
+    """Per token of a C128A case: the compressed entries' global slots (positions 0 .. n-1) and the window's
+    global slots (ascending), as int32 index rows padded with -1 to widths 64 and 128, with their lengths."""
+    cb, bs, w = kw["compressed_block_size"], kw["swa_block_size"], kw["window_size"]
+    T = pos.shape[0]
+    comp = torch.full((T, 64), -1, dtype=torch.int32)
+    swa = torch.full((T, 128), -1, dtype=torch.int32)
+    nc = torch.zeros(T, dtype=torch.int32)
+    ns = torch.zeros(T, dtype=torch.int32)
+    for t in range(T):
+        if not bool(valid[t]):
+            continue
+        p, r = int(pos[t]), int(req[t])
+        cs = [int(kw["compressed_block_table"][r, c // cb]) * cb + c % cb for c in range(min((p + 1) // 128, 64))]
+        ss = [int(kw["swa_block_table"][r, x // bs]) * bs + x % bs for x in range(max(p - w + 1, 0), p + 1)]
+        comp[t, :len(cs)] = torch.tensor(cs, dtype=torch.int32) if cs else comp[t, :0]
+        swa[t, :len(ss)] = torch.tensor(ss, dtype=torch.int32)
+        nc[t], ns[t] = len(cs), len(ss)
+    return comp, nc, swa, ns
+
+
+def _two_list_read_c128a(g, order, with_sink, device):
+    from zerodiff.ops.attention import flashmla_fp8 as fd
+
+    kw, q, pos, req, valid, swa_deq, comp_deq = _dsv4_case(g, 128)
+    sink = torch.linspace(-1, 1, 64) if with_sink else torch.full((64,), float("-inf"))
+    ref = _dsv4_reference(kw, q, pos, req, valid, swa_deq, comp_deq, sink)
+    comp, nc, swa, ns = (t.to(device) for t in _c128a_lists(kw, pos, req, valid))
+    ccache, scache = kw["compressed_k_cache"].to(device), kw["swa_k_cache"].to(device)
+    mc, mi, ml, ec, ei, el = ((ccache, comp, nc, scache, swa, ns) if order == "compressed_main"
+                              else (scache, swa, ns, ccache, comp, nc))
+    o, _lse = fd.flashmla_fp8_attention(q.to(device), mc, mi, kw["sm_scale"],
+                                        attn_sink=sink.to(device) if with_sink else None, pieces_per_row=1,
+                                        topk_length=ml, extra_kv_cache=ec, extra_indices=ei, extra_topk_length=el)
+    _assert_close_to_reference(o, ref, pos, f"C128A lists, {order}, sink {'on' if with_sink else 'off'}")
+
+
+@pytest.mark.parametrize("with_sink", [True, False])
+@pytest.mark.parametrize("order", ["compressed_main", "window_main"])
+def test_flashmla_two_list_read_c128a_matches_reference(seeded, monkeypatch, order, with_sink):
+    """The lists of the GPU test below under the CPU emulation of the kernel's contract: they are the reference's
+    entries, so a GPU failure of that test is the kernel's reading of them."""
+    install_emulation(monkeypatch)
+    _two_list_read_c128a(seeded(), order, with_sink, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_sink", [True, False])
+@pytest.mark.parametrize("order", ["compressed_main", "window_main"])
+def test_gpu_flashmla_two_list_read_c128a_matches_reference(seeded, order, with_sink):
+    """The C128A read without the adapter: FlashMLA's FP8 decode kernel under zerodiff's fixed schedule
+    (``flashmla_fp8_attention``) with the lists given directly, the compressed entries as the main list and the
+    window as the extra list (the adapter's order) or the reverse (vLLM's own order), with and without the sink;
+    each close to the float64 reference within the adapter test's tolerance."""
+    from zerodiff import backends
+
+    if backends.flash_mla() is None:
+        pytest.skip(f"FlashMLA not importable: {backends.status()['flashmla']['detail']}")
+    _two_list_read_c128a(seeded(), order, with_sink, "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compress_ratio", COMPRESS_RATIOS)
 def test_gpu_dsv4_fixed_schedule_adapter_reference_and_invariance(seeded, compress_ratio):
@@ -432,16 +507,7 @@ def test_gpu_dsv4_fixed_schedule_adapter_reference_and_invariance(seeded, compre
     kc = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     qc, pc, rc, vc, sc = q.cuda(), pos.cuda(), req.cuda(), valid.cuda(), sink.cuda()
     o, lse = zv.dsv4_fixed_schedule_attention(qc, pc, rc, vc, attn_sink=sc, **kc)
-    got = o.cpu().double()
-    excess = (got - ref).abs() - (2e-2 + 2e-2 * ref.abs())  # > 0 where allclose(atol=rtol=2e-2) fails
-    if bool((excess > 0).any()):
-        t, h, d = (int(i) for i in torch.nonzero(excess == excess.max())[0])
-        bad_tokens = sorted({int(i) for i in torch.nonzero(excess > 0)[:, 0]})
-        pytest.fail(f"compress ratio {compress_ratio}: {int((excess > 0).sum())} of {excess.numel()} elements "
-                    f"outside atol = rtol = 2e-2, in tokens {bad_tokens} (positions "
-                    f"{[int(pos[i]) for i in bad_tokens]}); worst at token {t} head {h} dim {d}: got "
-                    f"{got[t, h, d].item():.6g}, reference {ref[t, h, d].item():.6g}; per-token max abs error "
-                    f"{[round(v, 4) for v in (got - ref).abs().flatten(1).amax(1).tolist()]}")
+    _assert_close_to_reference(o, ref, pos, f"compress ratio {compress_ratio}")
     assert bool((o[4].float() == 0).all())
     for t in (0, 5, 7):
         sub = dict(kc)
