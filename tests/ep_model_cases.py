@@ -170,13 +170,9 @@ def summary_worker(rank, store_path, out_dir, backend="nccl"):
     from zerodiff.model.weights import Deployment, init_masters
     from zerodiff.ops import expert_parallel as ep
 
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-    else:
-        torch.set_num_threads(1)
-        dev = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+    from zerodiff.rl.expert_parallel import init_rank
+
+    dev = init_rank(rank, WORLD, backend, store_path)
     try:
         cfg = model_config()
         dep = Deployment(init_masters(cfg, SEED, device=dev))

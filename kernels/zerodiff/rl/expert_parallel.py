@@ -5,6 +5,7 @@ Public API::
     Lockstep(group=None, device="cpu")                 .any_active(bool) -> bool, .pad_step(engine)
     ExpertParallelRLRun(preset, seed, *, ep_size, rank, device=None, group=None)   (an RLRun)
     run_ep_check(preset="cpu", *, steps=2, seed=0, ep_size=2, backend=None, progress=None) -> dict
+    init_rank(rank, world_size, backend, store_path) -> torch.device   (join a file-store world)
     EP_CHECK_FORMAT = "zerodiff-ep-check-1"
 
 Each rank of a ``torch.distributed`` world of ``ep_size`` processes holds the same masters (same seed) and its
@@ -45,7 +46,7 @@ from .loop import DiffError, RLRun, _mix
 
 EP_CHECK_FORMAT = "zerodiff-ep-check-1"
 
-__all__ = ["Lockstep", "ExpertParallelRLRun", "run_ep_check", "EP_CHECK_FORMAT"]
+__all__ = ["Lockstep", "ExpertParallelRLRun", "run_ep_check", "init_rank", "EP_CHECK_FORMAT"]
 
 
 class Lockstep:
@@ -129,7 +130,9 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _worker(rank, ep_size, backend, preset_obj, steps, seed, store, out_dir, verbose=False):
+def init_rank(rank: int, world_size: int, backend: str, store_path: str) -> torch.device:
+    """Join a ``torch.distributed`` world through a file store and return this rank's device: NCCL on GPU
+    ``rank``, gloo on the CPU (one intra-op thread, so the ranks of one host do not compete for cores)."""
     import torch.distributed as dist
 
     if backend == "nccl":
@@ -138,7 +141,14 @@ def _worker(rank, ep_size, backend, preset_obj, steps, seed, store, out_dir, ver
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=ep_size)
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    return device
+
+
+def _worker(rank, ep_size, backend, preset_obj, steps, seed, store, out_dir, verbose=False):
+    import torch.distributed as dist
+
+    device = init_rank(rank, ep_size, backend, store)
     result = {"rank": rank, "steps": [], "error": None}
     try:
         run = ExpertParallelRLRun(preset_obj, seed, ep_size=ep_size, rank=rank, device=device)
