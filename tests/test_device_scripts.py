@@ -249,3 +249,37 @@ def test_gpu_suite_reports_each_file_from_its_own_log(tmp_path):
     assert "test_slow.py: exit 124: timed out after 2 s" in lines[1] and "passed" not in lines[1], lines[1]
     assert "test_late.py: not run (--budget 2 s spent)" in lines[2], lines[2]
     assert r.returncode != 0 or "exit 124" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+EP_PY = r'''#!/bin/bash
+echo "$CUDA_VISIBLE_DEVICES|$*" >> "$FAKE_LOG"
+json_out() { local prev=""; for a in "$@"; do [ "$prev" = "--json" ] && echo "$1" > "$a"; prev="$a"; done; }
+case "$*" in
+  -|-c*) exec REALPY "$@" ;;
+  *"-m pytest"*) echo 'EP2_MODEL_RESULT [{"rank": 0}]'; echo "======== 40 passed in 9.00s ========" ;;
+  *"zerodiff.e2e_cli check"*) json_out '{"passed": true}' "$@"; echo "PASS: diff = 0 on 3/3 steps" ;;
+  *) exec REALPY "$@" ;;
+esac
+'''
+
+
+@pytest.mark.parametrize("ngpu", [1, 2])
+def test_ep_session_runs_the_tests_then_the_check_on_two_gpus(tmp_path, ngpu):
+    env = _fakes(tmp_path, ngpu)
+    (tmp_path / "bin" / "py").write_text(EP_PY.replace("REALPY", sys.executable))
+    r = subprocess.run(["bash", str(REPO / "gpu/ep-session.sh"), "--total", "300", "--steps", "3"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    out = tmp_path / "out"
+    if ngpu == 1:  # refused, nothing run
+        assert r.returncode == 2 and "needs 2 GPUs" in (out / "summary.txt").read_text()
+        assert not _calls(tmp_path)
+        return
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["ep2-check.json", "ep2-model.json", "logs.tar.gz", "summary.txt"]
+    assert json.loads((out / "ep2-model.json").read_text()) == [{"rank": 0}]
+    calls = [a for _, a in _calls(tmp_path)]
+    tests = _first(_calls(tmp_path), "tests/test_expert_parallel.py")
+    check = _first(_calls(tmp_path), "--rollout-ep 2 --steps 3")
+    assert tests < check and "-m gpu" in calls[tests] and "--config gpu_small" in calls[check]
+    summary = (out / "summary.txt").read_text()
+    assert "40 passed" in summary and "PASS: diff = 0" in summary
