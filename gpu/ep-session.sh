@@ -9,9 +9,11 @@
 #                    EP-degree control differing (its summary, EP2_MODEL_RESULT, is written to ep2-model.json)
 #   2. RL check      zerodiff check --rollout-ep 2 --steps N: EP = 2 rollout (GPU 0 and GPU 1, NCCL) vs the
 #                    EP = 1 training forward, diff = 0 through RL steps (ep2-check.json)
+#   3. with graphs   the same with --ep-graphs: decode graphs captured on both ranks, NCCL inside the graphs
+#                    (ep2-check-graphs.json; its own timeout, so a hang there costs only this stage)
 # Fewer than two GPUs: nothing runs, exit 2. NVLink multicast stays as the machine's environment sets it.
-# Outputs under $OUT: summary.txt, ep2-model.json, ep2-check.json, logs.tar.gz (env.txt, every stage's log).
-# Exit: 0 when both stages passed, 1 otherwise.
+# Outputs under $OUT: summary.txt, ep2-model.json, ep2-check.json, ep2-check-graphs.json, logs.tar.gz (env.txt,
+# every stage's log). Exit: 0 when the tests and both checks passed, 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -24,7 +26,7 @@ while [ $# -gt 0 ]; do
     --total) TOTAL="$2"; shift ;;
     --config) CONFIG="$2"; shift ;;
     --steps) STEPS="$2"; shift ;;
-    *) other_arg "$1" 2,16 ;;
+    *) other_arg "$1" 2,18 ;;
   esac
   shift
 done
@@ -49,11 +51,14 @@ tests_ok=0
 case "$tests_line" in *failed*|*error*|"") ;; *passed*) tests_ok=1 ;; esac
 grep -m1 '^EP2_MODEL_RESULT ' "$W/ep-tests.log" | sed 's/^EP2_MODEL_RESULT //' >"$OUT/ep2-model.json"
 [ -s "$OUT/ep2-model.json" ] || { rm -f "$OUT/ep2-model.json"; note "   no EP2_MODEL_RESULT line (see logs/ep-tests.log)"; }
-timed "$(left 20)" "$W/ep2-check" $PY -m zerodiff.e2e_cli check --config "$CONFIG" --rollout-ep 2 --steps "$STEPS" \
-  --json "$OUT/ep2-check.json"
-check_ok=$(grep -c '^PASS: diff = 0' "$W/ep2-check.log" 2>/dev/null)
+timed $(( $(left 20) / 2 )) "$W/ep2-check" $PY -m zerodiff.e2e_cli check --config "$CONFIG" --rollout-ep 2 \
+  --steps "$STEPS" --json "$OUT/ep2-check.json"
+timed "$(left 20)" "$W/ep2-check-graphs" $PY -m zerodiff.e2e_cli check --config "$CONFIG" --rollout-ep 2 --ep-graphs \
+  --steps "$STEPS" --json "$OUT/ep2-check-graphs.json"
+check_ok=$(cat "$W/ep2-check.log" "$W/ep2-check-graphs.log" 2>/dev/null | grep -c '^PASS: diff = 0')
 note "   tests: ${tests_line:-no pytest summary line (cut off?)}"
 note "   check: $(grep -E '^(PASS|FAIL)' "$W/ep2-check.log" | tail -n 1)"
+note "   check with graphs: $(grep -E '^(PASS|FAIL)' "$W/ep2-check-graphs.log" | tail -n 1)"
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$W"
-[ "$tests_ok" = 1 ] && [ "$check_ok" = 1 ] && exit 0
+[ "$tests_ok" = 1 ] && [ "$check_ok" = 2 ] && exit 0
 exit 1

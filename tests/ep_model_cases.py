@@ -223,3 +223,25 @@ def rl_control_worker(rank, store_path, out_dir):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def rl_graphs_worker(rank, store_path, out_dir):
+    """One step's EP = 2 rollout (CPU preset, gloo) eagerly and with the decode graphs (emulated on the CPU: the
+    padded static step with the static graph capacity): the same responses and log-probs bit for bit."""
+    import torch.distributed as dist
+
+    from zerodiff.rl.expert_parallel import ExpertParallelRLRun
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+    try:
+        outs, graph_steps = {}, {}
+        for graphs in (False, True):
+            run = ExpertParallelRLRun("cpu", 5, ep_size=WORLD, rank=rank, device="cpu", graphs=graphs)
+            _reqs, out = run.rollout(0)
+            outs[graphs] = {rid: (o.response, o.logprobs) for rid, o in out.items()}
+            graph_steps[graphs] = run.engine.stats["graph_steps"]
+        torch.save({"outs": outs, "graph_steps": graph_steps}, os.path.join(out_dir, f"rl-graphs-rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

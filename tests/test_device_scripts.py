@@ -275,11 +275,14 @@ def test_ep_session_runs_the_tests_then_the_check_on_two_gpus(tmp_path, ngpu):
         assert not _calls(tmp_path)
         return
     assert r.returncode == 0, r.stdout + r.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["ep2-check.json", "ep2-model.json", "logs.tar.gz", "summary.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["ep2-check-graphs.json", "ep2-check.json", "ep2-model.json",
+                                                     "logs.tar.gz", "summary.txt"]
     assert json.loads((out / "ep2-model.json").read_text()) == [{"rank": 0}]
     calls = [a for _, a in _calls(tmp_path)]
     tests = _first(_calls(tmp_path), "tests/test_expert_parallel.py")
     check = _first(_calls(tmp_path), "--rollout-ep 2 --steps 3")
-    assert tests < check and "-m gpu" in calls[tests] and "--config gpu_small" in calls[check]
+    graphs = _first(_calls(tmp_path), "--ep-graphs")
+    assert tests < check < graphs and "-m gpu" in calls[tests] and "--config gpu_small" in calls[check]
+    assert "--ep-graphs" not in calls[check]
     summary = (out / "summary.txt").read_text()
     assert "40 passed" in summary and "PASS: diff = 0" in summary

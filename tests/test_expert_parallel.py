@@ -428,3 +428,24 @@ def test_rl_check_ep_refusals(capsys):
     for extra in (["--baseline"], ["--seeds", "2"], ["--restore-at", "0"]):
         with pytest.raises(SystemExit, match="--rollout-ep 2 cannot be combined with"):
             main(["check", "--rollout-ep", "2", "--config", "cpu", "--device", "cpu", *extra])
+    with pytest.raises(SystemExit, match="--ep-graphs needs --rollout-ep"):
+        main(["check", "--ep-graphs", "--config", "cpu", "--device", "cpu"])
+
+
+def test_rl_ep2_decode_graphs_equal_eager(tmp_path):
+    """EP = 2 rollout with decode graphs (emulated on the CPU: the padded static step, static graph capacity,
+    the ranks agreeing per step to replay together) equals the eager EP = 2 rollout: same responses, log-probs
+    bitwise, on both ranks; graph steps did run."""
+    import torch.multiprocessing as mp
+
+    import ep_model_cases as M
+
+    mp.spawn(M.rl_graphs_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=M.WORLD, join=True)
+    for r in range(M.WORLD):
+        res = torch.load(tmp_path / f"rl-graphs-rank{r}.pt", weights_only=False)
+        assert res["graph_steps"][False] == 0 and res["graph_steps"][True] > 0, res["graph_steps"]
+        eager, graphs = res["outs"][False], res["outs"][True]
+        assert sorted(eager) == sorted(graphs) and eager
+        for rid in eager:
+            assert eager[rid][0] == graphs[rid][0], rid
+            assert_bitwise_equal(graphs[rid][1], eager[rid][1], f"rank {r} request {rid}")

@@ -168,6 +168,10 @@ def register(subparsers) -> None:
                    help="expert-parallel rollout: N processes (NCCL, one GPU each, on CUDA; gloo on the CPU), each "
                         "serving its share of the requests with the model's routed experts spread over the N ranks, "
                         "against the EP = 1 training forward (zerodiff.rl.expert_parallel); default 1")
+    c.add_argument("--ep-graphs", action="store_true",
+                   help="with --rollout-ep: pure-decode steps replay decode graphs when every rank's step is one "
+                        "(static per-rank capacity; CUDA: captured on every rank at start; CPU: the captured step "
+                        "emulated eagerly); default off (eager)")
     c.set_defaults(func=cmd_check)
     lo = subparsers.add_parser(
         "locate", help="op-level divergence locator: the first op whose output bits differ between rollout and "
@@ -355,7 +359,7 @@ def cmd_check_ep(args) -> int:
     t0 = time.perf_counter()
     try:
         doc = run_ep_check(preset, steps=args.steps, seed=args.seed, ep_size=args.rollout_ep, backend=backend,
-                           progress=None if args.quiet else (lambda m: _log(args, m)))
+                           graphs=args.ep_graphs, progress=None if args.quiet else (lambda m: _log(args, m)))
     except InputError as e:
         raise SystemExit(str(e)) from None
     doc.update(command="check", date=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -365,7 +369,8 @@ def cmd_check_ep(args) -> int:
     print(format_table(doc["steps"]))
     for rep in doc["steps"]:
         print(f"step {rep['step']}: response tokens per rank {rep.get('rank_tokens')}, padding steps "
-              f"{rep.get('pad_steps')}, masters equal across ranks: {rep.get('masters_equal_across_ranks')}")
+              f"{rep.get('pad_steps')}, graph steps {rep.get('graph_steps')} (rank 0), masters equal across ranks: "
+              f"{rep.get('masters_equal_across_ranks')}")
     _write_json(args.json_path, doc)
     if doc["passed"]:
         print(f"PASS: diff = 0 on {len(doc['steps'])}/{args.steps} steps, rollout EP={args.rollout_ep} "
@@ -378,6 +383,8 @@ def cmd_check_ep(args) -> int:
 def cmd_check(args) -> int:
     if int(getattr(args, "rollout_ep", 1) or 1) != 1:
         return cmd_check_ep(args)
+    if getattr(args, "ep_graphs", False):
+        raise SystemExit("zerodiff: --ep-graphs needs --rollout-ep N with N > 1")
     variants = _kernel_variants(args)
     from .model.config import default_preset_name
     from .rl.control import control_probe, describe

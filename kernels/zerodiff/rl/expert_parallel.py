@@ -2,9 +2,9 @@
 
 Public API::
 
-    Lockstep(group=None, device="cpu")                 .any_active(bool) -> bool, .pad_step(engine)
-    ExpertParallelRLRun(preset, seed, *, ep_size, rank, device=None, group=None)   (an RLRun)
-    run_ep_check(preset="cpu", *, steps=2, seed=0, ep_size=2, backend=None, progress=None) -> dict
+    Lockstep(group=None, device="cpu")      .agree(active, graph) -> (any active, all graph), .pad_step(engine)
+    ExpertParallelRLRun(preset, seed, *, ep_size, rank, device=None, group=None, graphs=False)   (an RLRun)
+    run_ep_check(preset="cpu", *, steps=2, seed=0, ep_size=2, backend=None, graphs=False, progress=None) -> dict
     init_rank(rank, world_size, backend, store_path) -> torch.device   (join a file-store world)
     EP_CHECK_FORMAT = "zerodiff-ep-check-1"
 
@@ -14,10 +14,14 @@ own rollout engine whose MoE layers run through :class:`zerodiff.model.expert_pa
 in slot order). A step's requests are dealt round-robin to the ranks (request ``i`` to rank ``i % ep_size``);
 each rank schedules its own requests (its own schedule seed), so the ranks' batches differ in size and content
 every engine step. The engines run in lockstep (:class:`Lockstep`): a rank without work runs a padding step.
+``graphs``: pure-decode steps through the engine's decode graphs when every rank's step is one (the static
+``graph_capacity`` = largest graph batch x ``min(k, E / ep_size)`` rows per destination, the same on every rank;
+on CUDA every rank captures every size at start, in the same order, so the capture's collectives match; on the
+CPU the captured step is emulated eagerly); mixed steps and padding steps run eagerly with counts exchanged.
 The rollout results are gathered on every rank; every rank then runs the same EP = 1 training forward
 (``ConsistentOps``, all experts local) over all responses, checks diff = 0 against the rollout's log-probs per
 micro-batch before any update, and applies the same optimizer step (the ranks' masters stay equal; the run
-compares a digest of them after every step). The rollout runs eagerly (no CUDA graphs).
+compares a digest of them after every step).
 
 Numerical contract: the rollout log-probs of every response token equal the training forward's bitwise, for
 any ``ep_size`` and any distribution of the requests over the ranks (the contract of ``ExpertParallelOps``).
@@ -58,13 +62,15 @@ class Lockstep:
         self.pad_steps = 0
         self._block = None
 
-    def any_active(self, active: bool) -> bool:
-        """True while any rank of the group still has requests (a collective: every rank calls it each step)."""
+    def agree(self, active: bool, graph: bool) -> tuple[bool, bool]:
+        """One collective per engine step on every rank: (any rank still has requests, every rank runs this
+        step as a decode-graph replay). A rank without requests passes (False, False)."""
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if active else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        flags = torch.tensor([1 if active else 0, 0 if graph else 1], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        any_active, any_eager = (bool(v) for v in flags.tolist())
+        return any_active, not any_eager
 
     def pad_step(self, engine: RolloutEngine) -> None:
         """One forward of a single padding token in a block reserved for it; no logits, no sampling."""
@@ -89,7 +95,8 @@ def _digest(tensors: dict) -> str:
 class ExpertParallelRLRun(RLRun):
     """RLRun whose rollout runs at EP = ``ep_size`` on this rank (see the module docstring)."""
 
-    def __init__(self, preset, seed: int = 0, *, ep_size: int, rank: int, device=None, group=None):
+    def __init__(self, preset, seed: int = 0, *, ep_size: int, rank: int, device=None, group=None,
+                 graphs: bool = False):
         if int(ep_size) < 2:
             raise InputError(f"zerodiff: --rollout-ep={ep_size}: an expert-parallel rollout needs at least 2 ranks")
         super().__init__(preset, seed, "consistent", device)
@@ -98,10 +105,16 @@ class ExpertParallelRLRun(RLRun):
                              "experts")
         self.ep_size, self.rank, self.group = int(ep_size), int(rank), group
         self.mover = TorchDistributedMover(group)
-        self.ep_ops = ExpertParallelOps(self.cfg, ep_size=self.ep_size, rank=self.rank, mover=self.mover)
+        rc = self.preset.rollout
+        graph_capacity = max(rc.graph_batch_sizes) * min(self.cfg.top_experts, self.cfg.experts // self.ep_size)
+        self.ep_ops = ExpertParallelOps(self.cfg, ep_size=self.ep_size, rank=self.rank, mover=self.mover,
+                                        graph_capacity=graph_capacity)
+        use_graphs = False if not graphs else (True if self.device.type == "cuda" else "emulate")
         self.engine = RolloutEngine(self.preset, self.rollout_dep, self.ep_ops, self.device,
-                                    sample_seed=_mix(self.seed, 7), use_graphs=False)
+                                    sample_seed=_mix(self.seed, 7), use_graphs=use_graphs)
         self.engine.lockstep = Lockstep(group, self.device if self.device.type == "cuda" else "cpu")
+        if use_graphs is True:  # every rank, every size, the same order: the captures' collectives match
+            self.graph_capture = self.engine.graphs.capture_all()
         self.rank_tokens: list = []
 
     def rollout(self, step: int, record=None):
@@ -145,13 +158,13 @@ def init_rank(rank: int, world_size: int, backend: str, store_path: str) -> torc
     return device
 
 
-def _worker(rank, ep_size, backend, preset_obj, steps, seed, store, out_dir, verbose=False):
+def _worker(rank, ep_size, backend, preset_obj, steps, seed, store, out_dir, verbose=False, graphs=False):
     import torch.distributed as dist
 
     device = init_rank(rank, ep_size, backend, store)
     result = {"rank": rank, "steps": [], "error": None}
     try:
-        run = ExpertParallelRLRun(preset_obj, seed, ep_size=ep_size, rank=rank, device=device)
+        run = ExpertParallelRLRun(preset_obj, seed, ep_size=ep_size, rank=rank, device=device, graphs=graphs)
         result["mover"] = run.mover.mode
         pads = 0
         for i in range(steps):
@@ -181,7 +194,7 @@ def _worker(rank, ep_size, backend, preset_obj, steps, seed, store, out_dir, ver
 
 
 def run_ep_check(preset="cpu", *, steps: int = 2, seed: int = 0, ep_size: int = 2, backend=None,
-                 progress=None) -> dict:
+                 graphs: bool = False, progress=None) -> dict:
     """Spawn a world of ``ep_size`` processes (NCCL, one GPU each, when CUDA is available, else gloo on the CPU),
     run ``steps`` RL steps of :class:`ExpertParallelRLRun`, return rank 0's view plus every rank's agreement:
     ``{"format", "preset", "seed", "ep_size", "backend", "device", "steps": [per-step diff reports],
@@ -202,7 +215,7 @@ def run_ep_check(preset="cpu", *, steps: int = 2, seed: int = 0, ep_size: int = 
         if progress:
             progress(f"zerodiff: EP={ep_size} rollout vs EP=1 training, {steps} step(s), {backend}, preset {p.name}")
         mp.spawn(_worker, args=(int(ep_size), backend, p, int(steps), int(seed), os.path.join(d, "store"), d,
-                                progress is not None),
+                                progress is not None, bool(graphs)),
                  nprocs=int(ep_size), join=True)
         ranks = [torch.load(os.path.join(d, f"ep-rank{r}.pt"), weights_only=False) for r in range(int(ep_size))]
     r0 = ranks[0]
@@ -214,5 +227,5 @@ def run_ep_check(preset="cpu", *, steps: int = 2, seed: int = 0, ep_size: int = 
     device = "cpu" if backend == "gloo" else torch.cuda.get_device_name(0)
     return {"format": EP_CHECK_FORMAT, "preset": p.name, "seed": int(seed), "ep_size": int(ep_size),
             "backend": backend, "device": device, "mover": r0.get("mover"), "rollout": f"EP={ep_size} "
-            "(ExpertParallelOps, eager)", "training": "EP=1 (ConsistentOps)", "steps": ok_steps,
+            f"(ExpertParallelOps, {'decode graphs' if graphs else 'eager'})", "graphs": bool(graphs), "training": "EP=1 (ConsistentOps)", "steps": ok_steps,
             "passed": bool(passed), "error": errors[0] if errors else None}

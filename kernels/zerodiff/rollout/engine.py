@@ -82,7 +82,8 @@ class RolloutEngine:
         self.time_device = False
         #: an expert-parallel group's lockstep (see :class:`zerodiff.rl.expert_parallel.Lockstep`): every rank
         #: runs one model forward per engine step until no rank has work; a rank without work runs a padding
-        #: step (one token of a reserved block, no logits) so the MoE layers' collectives stay matched.
+        #: step (one token of a reserved block, no logits) so the MoE layers' collectives stay matched, and the
+        #: ranks replay decode graphs only in a step where every rank does.
         self.lockstep = None
 
     def _ensure_blocks(self, r: Request, upto: int) -> None:
@@ -102,14 +103,11 @@ class RolloutEngine:
         lo_m, hi_m = self.rcfg.max_batch
         events = [] if (self.time_device and self.device.type == "cuda") else None
         for _ in range(max_steps):
-            if self.lockstep is not None:
-                if not self.lockstep.any_active(bool(queue or running)):
+            if not queue and not running:
+                if self.lockstep is None or not self.lockstep.agree(False, False)[0]:
                     break
-                if not queue and not running:
-                    self.lockstep.pad_step(self)
-                    continue
-            elif not queue and not running:
-                break
+                self.lockstep.pad_step(self)
+                continue
             budget = rng.randint(lo_b, hi_b)
             maxb = rng.randint(lo_m, hi_m)
             while queue and len(running) < maxb:
@@ -139,11 +137,14 @@ class RolloutEngine:
             rec = None
             if record is not None:
                 rec = lambda name, t, _k=step.keys: record(name, _k, t)  # noqa: E731
+            use_graph = pure_decode and self.graphs is not None and rec is None and self.graphs.supports(step)
+            if self.lockstep is not None:  # the ranks replay graphs together or run eagerly together
+                use_graph = self.lockstep.agree(True, use_graph)[1]
             with torch.no_grad():
                 if events is not None:
                     events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
                     events[-1][0].record()
-                if pure_decode and self.graphs is not None and rec is None and self.graphs.supports(step):
+                if use_graph:
                     logits = self.graphs.run(step, eager=self.emulate_graphs)
                     self.stats["graph_steps"] += int(self.graphs.disabled is None)
                 else:
