@@ -46,9 +46,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 source gpu/gpu-env.sh
-W="$OUT/logs"
-mkdir -p "$W"
-session_start
+session_start logs
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"

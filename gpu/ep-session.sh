@@ -31,9 +31,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 source gpu/gpu-env.sh
-W="$OUT/logs"
-mkdir -p "$W"
-session_start
+session_start logs
 if [ "$NGPU" -lt 2 ]; then
   note "ep-session: needs 2 GPUs, found $NGPU: nothing run"
   exit 2

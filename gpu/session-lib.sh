@@ -2,8 +2,8 @@
 # the repository root before the option loop; it only defines functions:
 #   other_arg ARG LINES  the option loop's last arm: -h/--help prints the script's header lines LINES (sed range,
 #                        "2,14") and exits 0; any other argument is refused (exit 2)
-#   session_start        once OUT and TOTAL are set and gpu/gpu-env.sh is sourced: START, SUM (the summary file,
-#                        emptied) and NGPU
+#   session_start [DIR]  once OUT and TOTAL are set and gpu/gpu-env.sh is sourced: START, SUM (the summary file,
+#                        emptied) and NGPU; with DIR also W="$OUT/DIR" (created), the folder of the stage logs
 #   elapsed, left [RESERVE], note (echo and append to SUM), and timed SECONDS NAME CMD... (runs CMD under a
 #   timeout, logs to NAME.log, writes one summary line).
 other_arg() {
@@ -12,8 +12,9 @@ other_arg() {
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 }
-session_start() {
+session_start() {  # session_start [LOGDIR]: also W="$OUT/LOGDIR", created
   START=$(date +%s)
+  if [ -n "${1:-}" ]; then W="$OUT/$1"; mkdir -p "$W"; fi
   SUM="$OUT/summary.txt"; : >"$SUM"
   NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 }
