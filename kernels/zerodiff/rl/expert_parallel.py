@@ -97,25 +97,26 @@ class ExpertParallelRLRun(RLRun):
 
     def __init__(self, preset, seed: int = 0, *, ep_size: int, rank: int, device=None, group=None,
                  graphs: bool = False):
-        if int(ep_size) < 2:
-            raise InputError(f"zerodiff: --rollout-ep={ep_size}: an expert-parallel rollout needs at least 2 ranks")
-        super().__init__(preset, seed, "consistent", device)
-        if self.cfg.experts % int(ep_size):
-            raise InputError(f"zerodiff: --rollout-ep={ep_size} does not divide the preset's {self.cfg.experts} "
-                             "experts")
-        self.ep_size, self.rank, self.group = int(ep_size), int(rank), group
+        p = get_preset(preset) if isinstance(preset, str) else preset
+        _check_ep_size(p, ep_size)
+        self.ep_size, self.rank, self.group, self.graphs_on = int(ep_size), int(rank), group, bool(graphs)
         self.mover = TorchDistributedMover(group)
+        self.rank_tokens: list = []
+        super().__init__(p, seed, "consistent", device)  # builds the engine through _make_engine
+        if self.engine.graphs is not None and not self.engine.emulate_graphs:
+            # every rank, every size, in the same order: the captures' collectives match
+            self.graph_capture = self.engine.graphs.capture_all()
+
+    def _make_engine(self) -> RolloutEngine:
         rc = self.preset.rollout
         graph_capacity = max(rc.graph_batch_sizes) * min(self.cfg.top_experts, self.cfg.experts // self.ep_size)
         self.ep_ops = ExpertParallelOps(self.cfg, ep_size=self.ep_size, rank=self.rank, mover=self.mover,
                                         graph_capacity=graph_capacity)
-        use_graphs = False if not graphs else (True if self.device.type == "cuda" else "emulate")
-        self.engine = RolloutEngine(self.preset, self.rollout_dep, self.ep_ops, self.device,
-                                    sample_seed=_mix(self.seed, 7), use_graphs=use_graphs)
-        self.engine.lockstep = Lockstep(group, self.device if self.device.type == "cuda" else "cpu")
-        if use_graphs is True:  # every rank, every size, the same order: the captures' collectives match
-            self.graph_capture = self.engine.graphs.capture_all()
-        self.rank_tokens: list = []
+        use_graphs = False if not self.graphs_on else (True if self.device.type == "cuda" else "emulate")
+        engine = RolloutEngine(self.preset, self.rollout_dep, self.ep_ops, self.device,
+                               sample_seed=_mix(self.seed, 7), use_graphs=use_graphs)
+        engine.lockstep = Lockstep(self.group, self.device if self.device.type == "cuda" else "cpu")
+        return engine
 
     def rollout(self, step: int, record=None):
         import torch.distributed as dist
@@ -136,7 +137,14 @@ class ExpertParallelRLRun(RLRun):
         return reqs, out
 
     def masters_digest(self) -> str:
-        return _digest({k: v for k, v in self.masters.items()})
+        return _digest(self.masters)
+
+
+def _check_ep_size(p, ep_size) -> None:
+    if int(ep_size) < 2:
+        raise InputError(f"zerodiff: --rollout-ep={ep_size}: an expert-parallel rollout needs at least 2 ranks")
+    if p.model.experts % int(ep_size):
+        raise InputError(f"zerodiff: --rollout-ep={ep_size} does not divide the preset's {p.model.experts} experts")
 
 
 def _visible_gpus() -> int:
@@ -202,10 +210,7 @@ def run_ep_check(preset="cpu", *, steps: int = 2, seed: int = 0, ep_size: int = 
     import torch.multiprocessing as mp
 
     p = get_preset(preset) if isinstance(preset, str) else preset
-    if int(ep_size) < 2:
-        raise InputError(f"zerodiff: --rollout-ep={ep_size}: an expert-parallel rollout needs at least 2 ranks")
-    if p.model.experts % int(ep_size):
-        raise InputError(f"zerodiff: --rollout-ep={ep_size} does not divide the preset's {p.model.experts} experts")
+    _check_ep_size(p, ep_size)
     if backend is None:
         backend = "nccl" if _visible_gpus() > 0 else "gloo"
     if backend == "nccl" and _visible_gpus() < int(ep_size):
@@ -225,7 +230,8 @@ def run_ep_check(preset="cpu", *, steps: int = 2, seed: int = 0, ep_size: int = 
         s.get("bitwise_equal") and s.get("masters_equal_across_ranks") for s in ok_steps) and all(
         [s.get("bitwise_equal") for s in r["steps"]] == [s.get("bitwise_equal") for s in ok_steps] for r in ranks)
     device = "cpu" if backend == "gloo" else torch.cuda.get_device_name(0)
+    rollout = f"EP={ep_size} (ExpertParallelOps, {'decode graphs' if graphs else 'eager'})"
     return {"format": EP_CHECK_FORMAT, "preset": p.name, "seed": int(seed), "ep_size": int(ep_size),
-            "backend": backend, "device": device, "mover": r0.get("mover"), "rollout": f"EP={ep_size} "
-            f"(ExpertParallelOps, {'decode graphs' if graphs else 'eager'})", "graphs": bool(graphs), "training": "EP=1 (ConsistentOps)", "steps": ok_steps,
-            "passed": bool(passed), "error": errors[0] if errors else None}
+            "backend": backend, "device": device, "mover": r0.get("mover"), "rollout": rollout,
+            "graphs": bool(graphs), "training": "EP=1 (ConsistentOps)", "steps": ok_steps, "passed": bool(passed),
+            "error": errors[0] if errors else None}

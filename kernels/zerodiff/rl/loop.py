@@ -66,14 +66,18 @@ class RLRun:
                                      weight_decay=tc.weight_decay)
         self.rollout_dep = Deployment(self.masters)
         self.train_dep = Deployment(self.masters)
-        self.engine = RolloutEngine(self.preset, self.rollout_dep, make_ops(mode, "rollout", self.cfg), self.device,
-                                    sample_seed=_mix(self.seed, 7))
+        self.engine = self._make_engine()
         self.trainer = TrainingForward(self.preset, self.masters, self.train_dep, make_ops(mode, "train", self.cfg),
                                        self.device)
         self.step = 0
         self.history: list = []
 
     # ---- pieces ------------------------------------------------------------------------------------
+    def _make_engine(self) -> RolloutEngine:
+        """The rollout engine over ``self.rollout_dep`` (the expert-parallel run overrides it)."""
+        return RolloutEngine(self.preset, self.rollout_dep, make_ops(self.mode, "rollout", self.cfg), self.device,
+                             sample_seed=_mix(self.seed, 7))
+
     def make_requests(self, step: int):
         rc = self.preset.rollout
         rng = random.Random(_mix(self.seed, step, 1))
