@@ -72,7 +72,10 @@ class ExpertParallelOps(ConsistentOps):
                              "exchanges counts, a host sync)")
         plan = _ep.plan_ep_dispatch(ids, int(w13.q.shape[0]), self.ep_size, self.rank, cap)
         backend = None if _cuda(x) else "reference"
-        routed = _ep.ep_moe_experts(x, wts, ids, experts, plan, self.mover, backend=backend)
+        # captured decode steps: the received rows grouped per local expert in the masked layout with a static
+        # capacity (every received row could be one expert's), no host sync
+        grouping = dict(layout="masked", expert_capacity=self.ep_size * cap) if self.graph_safe else {}
+        routed = _ep.ep_moe_experts(x, wts, ids, experts, plan, self.mover, backend=backend, **grouping)
         self.ep_calls += 1
         shared = self._expert_visible(x, s13, s2).float()
         return (routed + shared).to(torch.bfloat16)

@@ -14,10 +14,11 @@ Public API::
     DeepEPMover(...)                                                           (DeepEP low-latency; see below)
     mover.exchange(send [N, ...], send_splits, recv_splits) -> recv [sum(recv_splits), ...]
     mover.exchange_counts(send_counts [ep] int64) -> recv_counts [ep] int64
-    ep_expert_rows(x, ids, experts_local, plan, mover, *, clamp_limit=None, backend=None, act_backend=None)
+    ep_expert_rows(x, ids, experts_local, plan, mover, *, clamp_limit=None, backend=None, act_backend=None,
+                   layout="contiguous", expert_capacity=None)
         -> y bf16 [send_rows + 1, H]   (y[plan.dest[t, j]] = expert output of slot (t, j); last row zero)
     ep_moe_experts(x, weights, ids, experts_local, plan, mover, *, clamp_limit=None, backend=None,
-                   act_backend=None) -> fp32 [T, H]
+                   act_backend=None, layout="contiguous", expert_capacity=None) -> fp32 [T, H]
     local_experts(experts, ep_size, rank) -> MoEWeights   (rank's contiguous slice of the stacked experts)
 
 Recipe (TP = 1). Experts are split into ``ep_size`` contiguous ranges of ``E / ep_size`` experts (rank r owns
@@ -25,7 +26,7 @@ Recipe (TP = 1). Experts are split into ``ep_size`` contiguous ranges of ``E / e
 (token, slot) the owner rank of the slot's expert is its destination; the send buffer holds one BF16 row of
 ``x`` per valid (token, slot), ordered by (destination rank, token, slot), and a metadata row (source token
 index, slot index, local expert id) travels WITH it. The receiving rank runs its local experts on the rows it
-received (:func:`zerodiff.ops.moe.expert_rows`, ``k = 1``, the local expert ids, contiguous layout), sends
+received (:func:`zerodiff.ops.moe.expert_rows`, ``k = 1``, the local expert ids, contiguous layout; masked with a static capacity in captured graphs), sends
 the ``[rows, H]`` BF16 expert outputs back along the reversed splits, and the token's owner combines them
 with :func:`zerodiff.ops.moe.combine`: ``acc = +0; acc = acc + fp32(w[t, j]) * fp32(y_j)`` for
 ``j = 0..k-1`` in slot order, in FP32. That is exactly what EP = 1 computes, so EP = 2 and EP = 1 give the
@@ -300,9 +301,12 @@ def local_experts(experts: MoEWeights, ep_size: int, rank: int) -> MoEWeights:
 
 
 def ep_expert_rows(x: torch.Tensor, ids: torch.Tensor, experts_local: MoEWeights, plan: ExpertParallelPlan,
-                   mover, *, clamp_limit=None, backend=None, act_backend=None) -> torch.Tensor:
+                   mover, *, clamp_limit=None, backend=None, act_backend=None, layout: str = "contiguous",
+                   expert_capacity=None) -> torch.Tensor:
     """Dispatch, run the local experts, return the outputs: bf16 [send_rows + 1, H], row ``plan.dest[t, j]``
-    = expert output of slot (t, j) (bitwise EP = 1's), last row zero (the dump row)."""
+    = expert output of slot (t, j) (bitwise EP = 1's), last row zero (the dump row). ``layout`` /
+    ``expert_capacity``: how the received rows are grouped per local expert (``zerodiff.ops.moe.expert_rows``;
+    "masked" with a static ``expert_capacity``, e.g. ``ep_size * capacity``, has no host sync: CUDA graphs)."""
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[0] != plan.T:
         raise InputError(f"zerodiff.expert_parallel: x must be bf16 [T={plan.T}, H], got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -330,8 +334,8 @@ def ep_expert_rows(x: torch.Tensor, ids: torch.Tensor, experts_local: MoEWeights
     rmeta = mover.exchange(plan.send_meta, send_splits, recv_splits).to(dev)
     # the local experts on the received rows: the same per-row path as EP = 1 (k = 1, local expert ids)
     lid = rmeta[:, 2:3].to(torch.int32).contiguous()
-    y_loc, lp = _moe.expert_rows(rx, lid, experts_local, layout="contiguous", clamp_limit=clamp_limit,
-                                 backend=backend, act_backend=act_backend)
+    y_loc, lp = _moe.expert_rows(rx, lid, experts_local, layout=layout, capacity=expert_capacity,
+                                 clamp_limit=clamp_limit, backend=backend, act_backend=act_backend)
     ry = y_loc[lp.dest[:, 0]] if rx.shape[0] else y_loc[:0]
     back = mover.exchange(ry, recv_splits, send_splits).to(dev)
     y = torch.zeros((plan.send_rows + 1, H), dtype=torch.bfloat16, device=dev)
@@ -341,13 +345,13 @@ def ep_expert_rows(x: torch.Tensor, ids: torch.Tensor, experts_local: MoEWeights
 
 def ep_moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts_local: MoEWeights,
                    plan: ExpertParallelPlan, mover, *, clamp_limit=None, backend=None,
-                   act_backend=None) -> torch.Tensor:
+                   act_backend=None, layout: str = "contiguous", expert_capacity=None) -> torch.Tensor:
     """Routed experts over EP ranks, combined on the owner in FP32 in slot order -> fp32 [T, H]; bitwise
     ``moe.moe_experts(x, weights, ids, experts)`` (see module contract)."""
     if weights.shape != ids.shape or weights.dtype != torch.float32:
         raise InputError(f"zerodiff.expert_parallel: weights must be fp32 with the shape of ids "
                          f"{tuple(ids.shape)}, got {weights.dtype} {tuple(weights.shape)}")
     y = ep_expert_rows(x, ids, experts_local, plan, mover, clamp_limit=clamp_limit, backend=backend,
-                       act_backend=act_backend)
+                       act_backend=act_backend, layout=layout, expert_capacity=expert_capacity)
     w = torch.where(ids >= 0, weights, torch.zeros((), dtype=weights.dtype, device=x.device))
     return _moe.combine(y, plan.dest, w, backend=backend)
