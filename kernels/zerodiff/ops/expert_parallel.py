@@ -26,8 +26,9 @@ Recipe (TP = 1). Experts are split into ``ep_size`` contiguous ranges of ``E / e
 (token, slot) the owner rank of the slot's expert is its destination; the send buffer holds one BF16 row of
 ``x`` per valid (token, slot), ordered by (destination rank, token, slot), and a metadata row (source token
 index, slot index, local expert id) travels WITH it. The receiving rank runs its local experts on the rows it
-received (:func:`zerodiff.ops.moe.expert_rows`, ``k = 1``, the local expert ids, contiguous layout; masked with a static capacity in captured graphs), sends
-the ``[rows, H]`` BF16 expert outputs back along the reversed splits, and the token's owner combines them
+received (:func:`zerodiff.ops.moe.expert_rows`, ``k = 1``, the local expert ids, contiguous layout; masked with a
+static capacity in captured graphs), sends the ``[rows, H]`` BF16 expert outputs back along the reversed splits,
+and the token's owner combines them
 with :func:`zerodiff.ops.moe.combine`: ``acc = +0; acc = acc + fp32(w[t, j]) * fp32(y_j)`` for
 ``j = 0..k-1`` in slot order, in FP32. That is exactly what EP = 1 computes, so EP = 2 and EP = 1 give the
 same bits.
