@@ -337,6 +337,11 @@ def _packed_preset(cfg_name: str, packing: str, micro_tokens=None, base=None):
     return p if mt == p.train.micro_tokens else p.replace(train=dataclasses.replace(p.train, micro_tokens=mt))
 
 
+def _check_preset(args, cfg_name: str, packing: str):
+    """The preset ``check`` runs: the rollout options over ``cfg_name``, then the training packing."""
+    return _packed_preset(cfg_name, packing, getattr(args, "micro_tokens", None), base=_rollout_preset(cfg_name, args))
+
+
 def cmd_check_ep(args) -> int:
     """``zerodiff check --rollout-ep N`` (N > 1): EP = N rollout vs EP = 1 training (zerodiff.rl.expert_parallel)."""
     from .errors import InputError
@@ -355,7 +360,7 @@ def cmd_check_ep(args) -> int:
     backend = "nccl" if str(device).startswith("cuda") else "gloo"
     cfg_name = args.config or default_preset_name()
     packing = getattr(args, "train_packing", None) or "greedy"
-    preset = _packed_preset(cfg_name, packing, getattr(args, "micro_tokens", None), base=_rollout_preset(cfg_name, args))
+    preset = _check_preset(args, cfg_name, packing)
     t0 = time.perf_counter()
     try:
         doc = run_ep_check(preset, steps=args.steps, seed=args.seed, ep_size=args.rollout_ep, backend=backend,
@@ -399,7 +404,7 @@ def cmd_check(args) -> int:
     if n_seeds > 1 and (args.resume or args.save):
         raise SystemExit("zerodiff: --seeds N > 1 cannot be combined with --resume / --save")
     packing = getattr(args, "train_packing", None) or "greedy"
-    preset = _packed_preset(cfg_name, packing, getattr(args, "micro_tokens", None), base=_rollout_preset(cfg_name, args))
+    preset = _check_preset(args, cfg_name, packing)
     t0 = time.perf_counter()
     reports, failure, restored_at = [], None, None
     per_seed, probes = [], []
