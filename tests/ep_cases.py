@@ -87,19 +87,20 @@ def build_calls():
     return calls
 
 
-def control_partial_sums(y, plan, weights, ids):
+def control_partial_sums(y, plan, weights, ids, partial_dtype=None):
     """Negative control: reduce-scatter style, per destination rank a partial sum over that rank's slots (in
-    slot order), then the partials added in rank order."""
+    slot order, FP32), then the partials added in rank order. ``partial_dtype`` (e.g. BF16): each partial is
+    rounded to it first, as a combine that reduces on the expert side and returns that dtype."""
     T, k = ids.shape
-    w = torch.where(ids >= 0, weights, torch.zeros((), dtype=weights.dtype))
-    out = torch.zeros((T, y.shape[1]), dtype=torch.float32)
+    w = torch.where(ids >= 0, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
+    out = torch.zeros((T, y.shape[1]), dtype=torch.float32, device=y.device)
     for d in range(plan.ep_size):
-        part = torch.zeros((T, y.shape[1]), dtype=torch.float32)
+        part = torch.zeros((T, y.shape[1]), dtype=torch.float32, device=y.device)
         for j in range(k):
             on = (plan.owner[:, j] == d)[:, None]
             term = w[:, j : j + 1] * y[plan.dest[:, j]].to(torch.float32)
             part = torch.where(on, part + term, part)
-        out = out + part
+        out = out + (part if partial_dtype is None else part.to(partial_dtype).to(torch.float32))
     return out
 
 

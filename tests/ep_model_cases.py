@@ -90,26 +90,12 @@ def serve(dep, cfg, ops, prompts, device="cpu"):
     return out
 
 
-def _bf16_partials(y, plan, weights, ids):
-    """Per destination rank, the FP32 slot-order sum of that rank's slots rounded to BF16 (what a combine that
-    reduces on the expert side and returns BF16 gives), then the partials added in FP32 in rank order."""
-    T, k = ids.shape
-    w = torch.where(ids >= 0, weights, torch.zeros((), dtype=weights.dtype))
-    out = torch.zeros((T, y.shape[1]), dtype=torch.float32, device=y.device)
-    for d in range(plan.ep_size):
-        part = torch.zeros((T, y.shape[1]), dtype=torch.float32, device=y.device)
-        for j in range(k):
-            on = (plan.owner[:, j] == d)[:, None]
-            part = torch.where(on, part + w[:, j: j + 1] * y[plan.dest[:, j]].to(torch.float32), part)
-        out = out + part.to(torch.bfloat16).to(torch.float32)
-    return out
-
-
 def control_ops_classes():
     """The negative control, one combine at two EP degrees: (EP = 2 ops class, EP = 1 ops class) whose routed
     experts are reduced per expert rank and rounded to BF16 there, then summed on the token's rank. At EP = 1
     that is one partial (the slot-order sum, rounded once); at EP = 2 two partials: same code and precision,
     only the EP degree differs."""
+    from ep_cases import control_partial_sums
     from zerodiff.model.expert_parallel_ops import ExpertParallelOps
     from zerodiff.model.ops import ConsistentOps
     from zerodiff.ops import expert_parallel as ep
@@ -120,7 +106,7 @@ def control_ops_classes():
             experts = ep.local_experts(moe.MoEWeights(w13, w2), self.ep_size, self.rank)
             plan = ep.plan_ep_dispatch(ids, int(w13.q.shape[0]), self.ep_size, self.rank, self.capacity)
             y = ep.ep_expert_rows(x, ids, experts, plan, self.mover, backend=None if x.is_cuda else "reference")
-            routed = _bf16_partials(y, plan, wts, ids)
+            routed = control_partial_sums(y, plan, wts, ids, partial_dtype=torch.bfloat16)
             return (routed + self._expert_visible(x, s13, s2).float()).to(torch.bfloat16)
 
     class ReducedOnOneRankOps(ConsistentOps):
